@@ -1,0 +1,35 @@
+"""celery_emq: a Celery/Kombu transport on Redis with leases and counted stall recovery.
+
+Importing this package registers the ``emq://`` and ``emqs://`` (TLS) broker URL
+schemes with kombu; nothing else happens at import time.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from kombu.transport import TRANSPORT_ALIASES
+
+from .errors import EmqError, InvalidOptionError, InvalidQueueNameError, ScriptContractError
+from .options import EmqOptions
+
+__all__ = [
+    "EmqError",
+    "EmqOptions",
+    "InvalidOptionError",
+    "InvalidQueueNameError",
+    "ScriptContractError",
+]
+
+__version__ = "0.1.0"
+
+_TRANSPORT = "celery_emq.transport:Transport"
+
+for _scheme in ("emq", "emqs"):
+    _existing = TRANSPORT_ALIASES.setdefault(_scheme, _TRANSPORT)
+    if _existing != _TRANSPORT:
+        warnings.warn(
+            f"kombu transport alias {_scheme!r} already names {_existing!r}; "
+            f"celery_emq left it as it is (use broker_transport={_TRANSPORT!r})",
+            stacklevel=2,
+        )

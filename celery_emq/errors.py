@@ -1,0 +1,39 @@
+"""The one rooted error hierarchy of celery_emq."""
+
+from __future__ import annotations
+
+__all__ = [
+    "EmqError",
+    "InvalidOptionError",
+    "InvalidQueueNameError",
+    "ScriptContractError",
+]
+
+
+class EmqError(Exception):
+    """Root of every error celery_emq raises on purpose."""
+
+
+class InvalidOptionError(EmqError, ValueError):
+    """A transport option has a value outside its accepted range.
+
+    The message always names the option and what it accepts.
+    """
+
+    def __init__(self, option: str, value: object, accepted: str) -> None:
+        self.option = option
+        self.value = value
+        self.accepted = accepted
+        super().__init__(f"invalid transport option {option}={value!r}: expected {accepted}")
+
+
+class InvalidQueueNameError(EmqError, ValueError):
+    """A queue name cannot be stored (it would not share one hash slot)."""
+
+
+class ScriptContractError(EmqError):
+    """A Lua script answered with something its header does not allow.
+
+    This signals a bug or a foreign writer on the keys, never an expected
+    outcome: expected outcomes are return codes.
+    """

@@ -1,0 +1,100 @@
+"""The one place key names are built.
+
+Key schema (every key of a queue shares the hash tag ``{q}``, so each script
+touches a single cluster slot):
+
+==============================  ======  ==============================================
+key                             type    content
+==============================  ======  ==============================================
+``<p>:{q}:pending``             ZSET    job ids ready to claim; score = priority band
+                                        + sequence (lower first, FIFO within a band,
+                                        recovered jobs ahead of the band)
+``<p>:{q}:active``              ZSET    claimed job ids; score = lease deadline (ms)
+``<p>:{q}:dead``                ZSET    the morgue; score = time of death (ms)
+``<p>:{q}:job:<id>``            HASH    the job's row (see :data:`JOB_FIELDS`)
+``<p>:{q}:wake``                LIST    one marker per job made claimable; consumers
+                                        block on it with BRPOP, then claim
+``<p>:{q}:seq``                 STRING  tail sequence (INCR) for FIFO order
+``<p>:{q}:head``                STRING  head sequence (INCR) for front-of-queue inserts
+``<p>:{q}:metrics:<name>``      HASH    counters (field ``count``): ``failed``, ...
+==============================  ======  ==============================================
+
+``<p>`` is the key prefix (transport option ``key_prefix``, default ``emq``,
+itself prefixed by kombu's ``global_keyprefix`` when one is set).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import InvalidQueueNameError
+
+__all__ = ["JOB_FIELDS", "QueueKeys"]
+
+#: Fields of a job row (``<p>:{q}:job:<id>``).
+JOB_FIELDS: tuple[str, ...] = (
+    "payload",  # the kombu message, JSON, exactly as published
+    "queue",  # the queue name
+    "state",  # pending | active | dead
+    "priority",  # 0..9, lower is consumed first (as the stock Redis transport)
+    "stalled",  # stall count (HINCRBY), travels with the job
+    "deliveries",  # how many times the job was claimed
+    "owner",  # worker identity holding the lease while active
+    "enqueued_ms",  # first publish time
+    "claimed_ms",  # time of the latest claim
+    "last_error",  # reason of the latest stall / death
+    "died_ms",  # time of death (dead jobs)
+)
+
+
+@dataclass(frozen=True)
+class QueueKeys:
+    """Every key of one queue, built from the key prefix and the queue name."""
+
+    prefix: str
+    queue: str
+
+    def __post_init__(self) -> None:
+        if not self.queue:
+            raise InvalidQueueNameError("queue name must not be empty")
+
+    @property
+    def base(self) -> str:
+        """The shared prefix ``<p>:{q}:`` from which scripts derive job keys."""
+        return f"{self.prefix}:{{{self.queue}}}:"
+
+    @property
+    def pending(self) -> str:
+        return self.base + "pending"
+
+    @property
+    def active(self) -> str:
+        return self.base + "active"
+
+    @property
+    def dead(self) -> str:
+        return self.base + "dead"
+
+    @property
+    def wake(self) -> str:
+        return self.base + "wake"
+
+    @property
+    def seq(self) -> str:
+        return self.base + "seq"
+
+    @property
+    def head(self) -> str:
+        return self.base + "head"
+
+    @property
+    def job_prefix(self) -> str:
+        return self.base + "job:"
+
+    def metrics(self, name: str) -> str:
+        """Return the key of one counter hash (field ``count``)."""
+        return self.base + "metrics:" + name
+
+    def job(self, job_id: str) -> str:
+        """Return the key of one job's row."""
+        return self.job_prefix + job_id

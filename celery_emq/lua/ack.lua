@@ -1,0 +1,27 @@
+--[[ ack: a job is done; delete it.
+  KEYS[1] active    <p>:{q}:active (ZSET)
+  KEYS[2] pending   <p>:{q}:pending (ZSET)
+  KEYS[3] job       <p>:{q}:job:<id> (HASH)
+  ARGV[1] id
+  ARGV[2] owner     worker identity that acks
+  Returns 0 OK (acked under this owner's lease), 1 NOT_FOUND,
+  2 LEASE_LOST (the lease had lapsed or passed to another owner; the job is
+  deleted anyway, since it has completed), 4 DEAD (in the morgue; kept).
+]]
+local active, pending, job = KEYS[1], KEYS[2], KEYS[3]
+local id, owner = ARGV[1], ARGV[2]
+
+local row = redis.call('HMGET', job, 'state', 'owner')
+if not row[1] then
+  return 1
+end
+if row[1] == 'dead' then
+  return 4
+end
+redis.call('ZREM', active, id)
+redis.call('ZREM', pending, id)
+redis.call('DEL', job)
+if row[1] == 'active' and row[2] == owner then
+  return 0
+end
+return 2

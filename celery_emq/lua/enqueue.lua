@@ -1,0 +1,35 @@
+--[[ enqueue: make a new job claimable.
+  KEYS[1] pending   <p>:{q}:pending (ZSET)
+  KEYS[2] wake      <p>:{q}:wake (LIST, one marker per claimable job)
+  KEYS[3] seq       <p>:{q}:seq (STRING, tail sequence)
+  KEYS[4] job       <p>:{q}:job:<id> (HASH)
+  ARGV[1] id        job id (the message's delivery tag)
+  ARGV[2] payload   the kombu message, JSON
+  ARGV[3] queue     queue name, stored on the row
+  ARGV[4] priority  0..9, lower is claimed first
+  ARGV[5] now_ms
+  ARGV[6] ttl_ms    > 0 when the queue expires (x-expires); 0 keeps the keys
+  Returns 0 OK, 3 DUPLICATE (a job with this id exists; nothing changed).
+]]
+local pending, wake, seq, job = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local id, payload, queue = ARGV[1], ARGV[2], ARGV[3]
+local priority, now_ms, ttl_ms = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
+
+-- Priority bands are 2^40 wide: FIFO within a band by the tail sequence.
+local BAND = 1099511627776
+
+if redis.call('EXISTS', job) == 1 then
+  return 3
+end
+local n = redis.call('INCR', seq)
+redis.call('HSET', job, 'payload', payload, 'queue', queue, 'state', 'pending',
+  'priority', priority, 'stalled', 0, 'deliveries', 0, 'enqueued_ms', now_ms)
+redis.call('ZADD', pending, priority * BAND + n, id)
+redis.call('LPUSH', wake, 1)
+if ttl_ms > 0 then
+  redis.call('PEXPIRE', job, ttl_ms)
+  redis.call('PEXPIRE', pending, ttl_ms)
+  redis.call('PEXPIRE', wake, ttl_ms)
+  redis.call('PEXPIRE', seq, ttl_ms)
+end
+return 0

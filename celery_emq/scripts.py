@@ -1,0 +1,163 @@
+"""Loads ``lua/*.lua`` once and offers one typed method per script.
+
+Expected outcomes (not found, lease lost, duplicate, dead) come back as an
+:class:`Outcome`; the mapping from the scripts' integer codes lives here only.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from .errors import ScriptContractError
+from .keys import QueueKeys
+
+__all__ = ["SCRIPT_NAMES", "Claimed", "Outcome", "Scripts", "script_source"]
+
+SCRIPT_NAMES: tuple[str, ...] = (
+    "enqueue",
+    "claim",
+    "ack",
+    "release",
+    "extend",
+    "bury",
+    "purge",
+)
+
+#: Most ids one ``extend`` call carries (the rest go in further calls).
+EXTEND_BATCH = 512
+
+
+class Outcome(enum.IntEnum):
+    """What a transition did, as the scripts report it."""
+
+    OK = 0
+    NOT_FOUND = 1
+    LEASE_LOST = 2
+    DUPLICATE = 3
+    DEAD = 4
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """One job handed out by ``claim``."""
+
+    id: str
+    payload: bytes
+    stalled: int
+    deliveries: int
+
+
+def script_source(name: str) -> str:
+    """Return the Lua source of one script shipped in ``celery_emq/lua``."""
+    return resources.files("celery_emq").joinpath("lua").joinpath(f"{name}.lua").read_text("utf-8")
+
+
+def _outcome(reply: Any, script: str) -> Outcome:
+    try:
+        return Outcome(int(reply))
+    except (TypeError, ValueError) as exc:
+        raise ScriptContractError(f"{script}.lua answered {reply!r}") from exc
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class Scripts:
+    """The Lua transitions, registered on one redis-py client."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self._scripts = {name: client.register_script(script_source(name)) for name in SCRIPT_NAMES}
+
+    def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        return self._scripts[name](keys=list(keys), args=list(args), client=self._client)
+
+    def enqueue(
+        self,
+        k: QueueKeys,
+        job_id: str,
+        payload: str | bytes,
+        priority: int,
+        now_ms: int,
+        ttl_ms: int = 0,
+    ) -> Outcome:
+        """Add a job to ``pending``; ``DUPLICATE`` if the id is taken."""
+        return _outcome(
+            self._run(
+                "enqueue",
+                [k.pending, k.wake, k.seq, k.job(job_id)],
+                [job_id, payload, k.queue, priority, now_ms, ttl_ms],
+            ),
+            "enqueue",
+        )
+
+    def claim(
+        self,
+        k: QueueKeys,
+        now_ms: int,
+        lease_ms: int,
+        owner: str,
+        count: int,
+        held: int = 0,
+        no_ack: bool = False,
+    ) -> list[Claimed]:
+        """Claim up to ``count`` jobs, leasing each to ``owner``."""
+        reply = self._run(
+            "claim",
+            [k.pending, k.active, k.wake, k.job_prefix, k.seq, k.head],
+            [now_ms, lease_ms, owner, count, held, 1 if no_ack else 0],
+        )
+        if len(reply) % 4:
+            raise ScriptContractError(f"claim.lua answered {len(reply)} items")
+        return [
+            Claimed(_text(reply[i]), reply[i + 1], int(reply[i + 2]), int(reply[i + 3]))
+            for i in range(0, len(reply), 4)
+        ]
+
+    def ack(self, k: QueueKeys, job_id: str, owner: str) -> Outcome:
+        """Delete a finished job."""
+        return _outcome(
+            self._run("ack", [k.active, k.pending, k.job(job_id)], [job_id, owner]), "ack"
+        )
+
+    def release(self, k: QueueKeys, job_id: str, owner: str) -> Outcome:
+        """Return a claimed job to the front of ``pending`` without counting a stall."""
+        return _outcome(
+            self._run(
+                "release",
+                [k.active, k.pending, k.wake, k.head, k.job(job_id)],
+                [job_id, owner],
+            ),
+            "release",
+        )
+
+    def extend(
+        self, k: QueueKeys, owner: str, deadline_ms: int, job_ids: Sequence[str]
+    ) -> list[str]:
+        """Renew leases; return the ids whose lease is lost."""
+        lost: list[str] = []
+        for start in range(0, len(job_ids), EXTEND_BATCH):
+            chunk = job_ids[start : start + EXTEND_BATCH]
+            reply = self._run("extend", [k.active, k.job_prefix], [owner, deadline_ms, *chunk])
+            lost.extend(_text(x) for x in reply)
+        return lost
+
+    def bury(self, k: QueueKeys, job_id: str, reason: str, error: str, now_ms: int) -> Outcome:
+        """Dead-letter one job into the morgue with a reason."""
+        return _outcome(
+            self._run(
+                "bury",
+                [k.active, k.pending, k.dead, k.job(job_id), k.metrics("failed")],
+                [job_id, reason, error, now_ms],
+            ),
+            "bury",
+        )
+
+    def purge(self, k: QueueKeys, limit: int) -> int:
+        """Delete up to ``limit`` pending jobs; return how many went."""
+        return int(self._run("purge", [k.pending, k.wake, k.job_prefix, k.seq, k.head], [limit]))

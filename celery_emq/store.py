@@ -1,0 +1,133 @@
+"""The job store: every queue transition, over Redis only (no kombu here).
+
+Each method is one atomic Lua transition (see ``lua/``). Time comes from the
+clock seam unless the caller passes ``now_ms``, which is how tests move time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from . import clock
+from .keys import QueueKeys
+from .scripts import Claimed, Outcome, Scripts
+
+__all__ = ["JobStore"]
+
+#: Jobs one ``purge`` script call deletes before the store calls it again.
+PURGE_BATCH = 1000
+
+
+class JobStore:
+    """Leased job queues on one Redis database.
+
+    Args:
+        client: a redis-py client (bytes replies, no key prefixing).
+        prefix: the key prefix (``EmqOptions.key_prefix``).
+        lease_ms: how long a claim holds a job.
+    """
+
+    def __init__(self, client: Any, prefix: str, lease_ms: int) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.lease_ms = lease_ms
+        self.scripts = Scripts(client)
+        self._keys: dict[str, QueueKeys] = {}
+
+    def keys(self, queue: str) -> QueueKeys:
+        """Return (and cache) the keys of one queue."""
+        k = self._keys.get(queue)
+        if k is None:
+            k = self._keys[queue] = QueueKeys(self.prefix, queue)
+        return k
+
+    def enqueue(
+        self,
+        queue: str,
+        job_id: str,
+        payload: str | bytes,
+        priority: int = 0,
+        ttl_ms: int = 0,
+        now_ms: int | None = None,
+    ) -> Outcome:
+        """Add a job to the queue; ``DUPLICATE`` when the id already exists."""
+        return self.scripts.enqueue(
+            self.keys(queue), job_id, payload, priority, _now(now_ms), ttl_ms
+        )
+
+    def claim(
+        self,
+        queue: str,
+        owner: str,
+        count: int = 1,
+        held: int = 0,
+        no_ack: bool = False,
+        now_ms: int | None = None,
+    ) -> list[Claimed]:
+        """Claim up to ``count`` jobs in priority/FIFO order under a lease."""
+        return self.scripts.claim(
+            self.keys(queue), _now(now_ms), self.lease_ms, owner, count, held, no_ack
+        )
+
+    def ack(self, queue: str, job_id: str, owner: str) -> Outcome:
+        """Delete a finished job."""
+        return self.scripts.ack(self.keys(queue), job_id, owner)
+
+    def release(self, queue: str, job_id: str, owner: str) -> Outcome:
+        """Put a claimed job back at the front of its queue, uncounted."""
+        return self.scripts.release(self.keys(queue), job_id, owner)
+
+    def extend(
+        self, queue: str, owner: str, job_ids: Sequence[str], now_ms: int | None = None
+    ) -> list[str]:
+        """Renew the leases of ``job_ids``; return those that are lost."""
+        if not job_ids:
+            return []
+        deadline = _now(now_ms) + self.lease_ms
+        return self.scripts.extend(self.keys(queue), owner, deadline, job_ids)
+
+    def bury(
+        self, queue: str, job_id: str, reason: str, error: str = "", now_ms: int | None = None
+    ) -> Outcome:
+        """Dead-letter a job into the queue's morgue with a reason."""
+        return self.scripts.bury(self.keys(queue), job_id, reason, error, _now(now_ms))
+
+    def purge(self, queue: str) -> int:
+        """Delete every pending job of the queue; return how many."""
+        total = 0
+        while True:
+            n = self.scripts.purge(self.keys(queue), PURGE_BATCH)
+            total += n
+            if n < PURGE_BATCH:
+                return total
+
+    def size(self, queue: str) -> int:
+        """Return how many jobs are pending (what kombu calls the queue size)."""
+        return int(self.client.zcard(self.keys(queue).pending))
+
+    def counts(self, queue: str) -> dict[str, int]:
+        """Return the number of pending, active and dead jobs of a queue."""
+        k = self.keys(queue)
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.zcard(k.pending).zcard(k.active).zcard(k.dead)
+            pending, active, dead = pipe.execute()
+        return {"pending": int(pending), "active": int(active), "dead": int(dead)}
+
+    def exists(self, queue: str) -> bool:
+        """Return whether the queue holds any pending or active job."""
+        k = self.keys(queue)
+        return bool(self.client.exists(k.pending, k.active))
+
+    def job(self, queue: str, job_id: str) -> dict[str, str]:
+        """Return one job's row, decoded (empty when there is none)."""
+        row = self.client.hgetall(self.keys(queue).job(job_id))
+        return {_text(f): _text(v) for f, v in row.items()}
+
+
+def _now(now_ms: int | None) -> int:
+    return clock.now_ms() if now_ms is None else now_ms
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,319 @@
+"""The kombu transport: thin glue from kombu's Channel/QoS API to the job store.
+
+Everything kombu's Redis transport does besides task queues is inherited:
+connection handling, TLS/auth, PUB/SUB fanout (remote control, events), the
+binding tables and the event-loop integration. Task-queue storage, consuming,
+ack/reject/restore and recovery go through :class:`~celery_emq.store.JobStore`.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from queue import Empty
+from time import monotonic
+from typing import Any
+
+import redis
+from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
+from kombu.utils.encoding import bytes_to_str
+from kombu.utils.json import dumps, loads
+
+from .lease import keeper
+from .options import EmqOptions
+from .scripts import Claimed, Outcome
+from .store import JobStore
+from .worker_state import started_delivery_tags
+
+__all__ = ["Channel", "QoS", "Transport"]
+
+logger = logging.getLogger(__name__)
+
+#: Header a redelivered message carries: how many times the job stalled.
+STALLED_HEADER = "emq_stalled"
+#: Header a redelivered message carries: how many times the job was claimed.
+DELIVERIES_HEADER = "emq_deliveries"
+
+
+class QoS(kombu_redis.QoS):
+    """Acks, rejects and restores through the job store.
+
+    kombu's Redis QoS keeps a DB-global ``unacked`` hash restored by age; here
+    the claim already wrote the lease, so ``append`` only does bookkeeping.
+    """
+
+    channel: Channel
+
+    def append(self, message: Any, delivery_tag: str) -> None:
+        virtual.QoS.append(self, message, delivery_tag)
+
+    def ack(self, delivery_tag: str) -> None:
+        self.channel._settle(delivery_tag)
+        virtual.QoS.ack(self, delivery_tag)
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        if requeue:
+            self.channel._release(delivery_tag)
+        else:
+            self.channel._bury(delivery_tag, "rejected", "rejected without requeue")
+        virtual.QoS.ack(self, delivery_tag)
+
+    def restore_unacked(self, client: Any = None) -> None:
+        """Release unstarted deliveries at once; keep leases of started ones.
+
+        Called when the channel closes (warm shutdown, broker reconnect). A
+        delivery whose task already runs keeps its lease in the process-wide
+        keeper, which goes on renewing it until the task acks.
+        """
+        self._flush()
+        started = started_delivery_tags()
+        for tag in list(self._delivered):
+            if tag not in started:
+                self.channel._release(tag)
+        self._delivered.clear()
+
+    def restore_by_tag(self, tag: str, client: Any = None, leftmost: bool = False) -> None:
+        self.channel._release(tag)
+
+    def restore_visible(self, *args: Any, **kwargs: Any) -> None:
+        """Do nothing: lapsed leases are recovered by the reaper and sweep."""
+
+
+class Channel(kombu_redis.Channel):
+    """A kombu Redis channel whose task queues live in the leased job store."""
+
+    QoS = QoS
+    connection_class: Any
+    _in_poll: Any = False
+    _brpop_sent_at: Any = None
+
+    def __init__(self, connection: Any, *args: Any, **kwargs: Any) -> None:
+        topts = connection.client.transport_options
+        # Validate before connecting, so a bad option fails fast and by name.
+        self.emq = EmqOptions.from_transport_options(topts)
+        if connection.client.transport_cls == "emqs" and not connection.client.ssl:
+            self.connection_class = self.connection_class_ssl
+        self._no_ack: dict[str, bool] = {}
+        self._store: JobStore | None = None
+        self._store_pool: Any = None
+        super().__init__(connection, *args, **kwargs)
+
+    # -- the store -------------------------------------------------------
+
+    @property
+    def store(self) -> JobStore:
+        """The job store, on a connection pool of its own.
+
+        The pool is the channel's own so that the store keeps working for
+        deliveries still running after kombu reset its pools (reconnect).
+        """
+        if self._store is None:
+            self._store_pool = redis.ConnectionPool(**self._connparams())
+            self._store = JobStore(
+                redis.Redis(connection_pool=self._store_pool),
+                self.emq.key_prefix,
+                self.emq.lease_ms,
+            )
+        return self._store
+
+    @property
+    def owner(self) -> str:
+        return keeper().owner
+
+    # -- publishing ------------------------------------------------------
+
+    @property
+    def supports_batch_publish(self) -> bool:
+        return False
+
+    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        props = message["properties"]
+        job_id = props.get("delivery_tag") or uuid.uuid4().hex
+        props["delivery_tag"] = job_id
+        priority = self._get_message_priority(message, reverse=False)
+        outcome = self.store.enqueue(
+            queue, job_id, dumps(message), priority, self._expires.get(queue, 0)
+        )
+        if outcome is Outcome.DUPLICATE:
+            logger.debug("celery_emq: job %s already in %s; publish ignored", job_id, queue)
+
+    # -- consuming -------------------------------------------------------
+
+    def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
+        self._no_ack[queue] = bool(no_ack)
+        return super().basic_consume(queue, no_ack, *args, **kwargs)
+
+    def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
+        payloads = self._claim(queue, 1, held=0, no_ack=no_ack)
+        if not payloads:
+            return None
+        message = self.Message(payloads[0], channel=self)
+        if not no_ack:
+            self.qos.append(message, message.delivery_tag)
+        return message
+
+    def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
+        payloads = self._claim(queue, 1, held=0, no_ack=False)
+        if not payloads:
+            raise Empty()
+        return payloads[0]
+
+    def _brpop_start(self, timeout: float | None = None) -> None:
+        if timeout is None:
+            timeout = self.brpop_timeout
+        queues = self._queue_cycle.consume(len(self.active_queues))
+        if not queues:
+            return
+        wake_keys = [self.store.keys(q).wake for q in queues]
+        self._in_poll = self.client.connection
+        self._brpop_sent_at = monotonic()
+        self.client.connection.send_command("BRPOP", *wake_keys, timeout or 0)
+
+    def _brpop_reply(self, **options: Any) -> str | None:
+        """Read the pending BRPOP reply; return the queue whose marker was popped."""
+        try:
+            try:
+                reply = self.client.parse_response(self.client.connection, "BRPOP", **options)
+            except self.connection_errors:
+                self.client.connection.disconnect()
+                raise
+        finally:
+            self._in_poll = None
+            self._flush_brpop_reauth()
+        if not reply:
+            return None
+        return self._queue_of_wake_key(bytes_to_str(reply[0]))
+
+    def _brpop_read(self, **options: Any) -> bool:
+        queue = self._brpop_reply(**options)
+        if queue is not None:
+            self._queue_cycle.rotate(queue)
+            if self._claim_and_deliver(queue, held=1):
+                return True
+            raise Empty()
+        # The wait timed out. A marker can be lost (a consumer killed between
+        # its BRPOP and its claim), so look once at every queue before waiting
+        # again: a stranded job waits at most one BRPOP timeout.
+        for q in self.active_queues:
+            if self._claim_and_deliver(q, held=0):
+                return True
+        raise Empty()
+
+    def _claim_and_deliver(self, queue: str, held: int) -> bool:
+        budget = self.qos.can_consume_max_estimate()
+        count = self.emq.claim_batch if budget is None else min(budget, self.emq.claim_batch)
+        if count <= 0:
+            return False
+        payloads = self._claim(queue, count, held, self._no_ack.get(queue, False))
+        for payload in payloads:
+            self.connection._deliver(payload, queue)
+        return bool(payloads)
+
+    def _claim(self, queue: str, count: int, held: int, no_ack: bool) -> list[dict[str, Any]]:
+        claimed = self.store.claim(queue, self.owner, count, held=held, no_ack=no_ack)
+        if not claimed:
+            return []
+        if not no_ack:
+            keeper().hold(self.store, queue, [c.id for c in claimed], self.emq.renew_interval_ms)
+        payloads = []
+        for job in claimed:
+            payload = self._decode(queue, job)
+            if payload is not None:
+                payloads.append(payload)
+        return payloads
+
+    def _decode(self, queue: str, job: Claimed) -> dict[str, Any] | None:
+        """Turn a claimed job into a kombu message; dead-letter what cannot be."""
+        try:
+            payload = loads(bytes_to_str(job.payload))
+            props = payload["properties"]
+            headers = payload.setdefault("headers", {})
+            if not isinstance(props, dict) or not isinstance(headers, dict):
+                raise TypeError("properties and headers must be objects")
+        except Exception as exc:
+            logger.error("celery_emq: job %s in %s cannot be decoded: %r", job.id, queue, exc)
+            keeper().forget(job.id)
+            self.store.bury(queue, job.id, "malformed", f"{type(exc).__name__}: {exc}")
+            return None
+        props["delivery_tag"] = job.id
+        if job.deliveries > 1 or job.stalled:
+            headers["redelivered"] = True
+            headers[STALLED_HEADER] = job.stalled
+            headers[DELIVERIES_HEADER] = job.deliveries
+            props.setdefault("delivery_info", {})["redelivered"] = True
+        return payload  # type: ignore[no-any-return]
+
+    def _queue_of_wake_key(self, key: str) -> str:
+        # <p>:{q}:wake -> q
+        base = key[len(self.emq.key_prefix) + 2 : -len("}:wake")]
+        return base
+
+    # -- settling --------------------------------------------------------
+
+    def _settle(self, tag: str) -> None:
+        held = keeper().forget(tag)
+        if held is None:
+            return
+        store, queue = held
+        outcome = store.ack(queue, tag, self.owner)
+        if outcome is not Outcome.OK:
+            logger.warning("celery_emq: ack of %s in %s: %s", tag, queue, outcome.name)
+
+    def _release(self, tag: str) -> None:
+        held = keeper().forget(tag)
+        if held is None:
+            return
+        store, queue = held
+        store.release(queue, tag, self.owner)
+
+    def _bury(self, tag: str, reason: str, error: str) -> None:
+        held = keeper().forget(tag)
+        if held is None:
+            return
+        store, queue = held
+        store.bury(queue, tag, reason, error)
+
+    def _restore(self, message: Any, leftmost: bool = False) -> None:
+        self._release(message.delivery_tag)
+
+    # -- queue management ------------------------------------------------
+
+    def _size(self, queue: str) -> int:
+        return self.store.size(queue)
+
+    def _purge(self, queue: str) -> int:
+        return self.store.purge(queue)
+
+    def _has_queue(self, queue: str, **kwargs: Any) -> bool:
+        return self.store.exists(queue)
+
+    def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
+        super()._delete(queue, *args, **kwargs)
+        self.store.purge(queue)
+
+    def close(self) -> None:
+        if self._in_poll:
+            # A BRPOP is in flight: read its reply without claiming, and give a
+            # popped marker back so another consumer wakes for that job.
+            try:
+                queue = self._brpop_reply()
+            except Exception:
+                queue = None
+            if queue is not None:
+                self.store.client.lpush(self.store.keys(queue).wake, 1)
+        super().close()
+        if self._store is not None and not keeper().holds(self._store):
+            self._store_pool.disconnect()
+
+
+class Transport(kombu_redis.Transport):
+    """The ``emq://`` transport (``emqs://`` for TLS)."""
+
+    Channel = Channel
+    driver_name = "emq"
+    implements = kombu_redis.Transport.implements.extend(batch_publish=False)
+
+    @property
+    def supports_batch_publish(self) -> bool:
+        return False

@@ -1,0 +1,56 @@
+"""Shared fixtures: a real Redis, a unique key prefix per test, cleanup after."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from celery_emq.store import JobStore
+
+#: The Redis the tests talk to; a database of their own on the machine's server.
+REDIS_URL = os.environ.get("EMQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
+
+
+def delete_prefix(client: redis.Redis, prefix: str) -> None:
+    """Delete every key under ``prefix`` (SCAN, never KEYS or FLUSH*)."""
+    batch = []
+    for key in client.scan_iter(match=prefix + "*", count=1000):
+        batch.append(key)
+        if len(batch) >= 500:
+            client.delete(*batch)
+            batch.clear()
+    if batch:
+        client.delete(*batch)
+
+
+@pytest.fixture
+def redis_url() -> str:
+    return REDIS_URL
+
+
+@pytest.fixture
+def client() -> Iterator[redis.Redis]:
+    c = redis.Redis.from_url(REDIS_URL)
+    try:
+        c.ping()
+    except redis.ConnectionError as exc:  # pragma: no cover - environment
+        pytest.fail(f"no Redis at {REDIS_URL}: {exc}")
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def prefix(client: redis.Redis) -> Iterator[str]:
+    """A key prefix no other test uses; its keys are deleted afterwards."""
+    p = f"t{uuid.uuid4().hex[:10]}:"
+    yield p
+    delete_prefix(client, p)
+
+
+@pytest.fixture
+def store(client: redis.Redis, prefix: str) -> JobStore:
+    return JobStore(client, prefix + "emq", lease_ms=5000)

@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+import redis
+
+from celery_emq.scripts import Outcome
+from celery_emq.store import JobStore
+
+
+def test_bury_moves_job_to_morgue_with_reason(store: JobStore, client: redis.Redis) -> None:
+    store.enqueue("q", "a", b"not json", now_ms=1)
+    store.claim("q", "w", now_ms=2)
+    assert store.bury("q", "a", "malformed", "JSONDecodeError", now_ms=5) is Outcome.OK
+    k = store.keys("q")
+    assert client.zcard(k.active) == 0
+    assert client.zscore(k.dead, "a") == 5
+    row = store.job("q", "a")
+    assert row["state"] == "dead"
+    assert row["last_error"] == "malformed"
+    assert row["error"] == "JSONDecodeError"
+    assert row["died_ms"] == "5"
+    assert row["payload"] == "not json"
+    assert client.hget(k.metrics("failed"), "count") == b"1"
+
+
+def test_bury_twice_is_not_found(store: JobStore) -> None:
+    store.enqueue("q", "a", b"{}", now_ms=1)
+    assert store.bury("q", "a", "rejected", "", now_ms=2) is Outcome.OK
+    assert store.bury("q", "a", "rejected", "", now_ms=3) is Outcome.NOT_FOUND

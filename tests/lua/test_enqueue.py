@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+import redis
+
+from celery_emq.scripts import Outcome
+from celery_emq.store import JobStore
+
+
+def test_enqueue_writes_row_pending_and_marker(store: JobStore, client: redis.Redis) -> None:
+    assert store.enqueue("q", "a", b'{"x":1}', priority=3, now_ms=1000) is Outcome.OK
+    k = store.keys("q")
+    assert client.zrange(k.pending, 0, -1) == [b"a"]
+    assert client.llen(k.wake) == 1
+    row = store.job("q", "a")
+    assert row["payload"] == '{"x":1}'
+    assert row["state"] == "pending"
+    assert row["priority"] == "3"
+    assert row["stalled"] == "0"
+    assert row["deliveries"] == "0"
+    assert row["enqueued_ms"] == "1000"
+    assert row["queue"] == "q"
+
+
+def test_enqueue_duplicate_id_changes_nothing(store: JobStore, client: redis.Redis) -> None:
+    store.enqueue("q", "a", b"first", now_ms=1)
+    assert store.enqueue("q", "a", b"second", now_ms=2) is Outcome.DUPLICATE
+    assert store.job("q", "a")["payload"] == "first"
+    assert client.zcard(store.keys("q").pending) == 1
+    assert client.llen(store.keys("q").wake) == 1
+
+
+def test_enqueue_with_ttl_expires_every_key(store: JobStore, client: redis.Redis) -> None:
+    store.enqueue("q", "a", b"{}", ttl_ms=10_000, now_ms=1)
+    k = store.keys("q")
+    for key in (k.pending, k.wake, k.seq, k.job("a")):
+        assert 0 < client.pttl(key) <= 10_000, key
+
+
+def test_keys_share_the_queue_hash_tag(store: JobStore) -> None:
+    k = store.keys("my.queue")
+    for key in (k.pending, k.active, k.dead, k.wake, k.seq, k.head, k.job("x")):
+        assert "{my.queue}" in key
