@@ -95,6 +95,7 @@ class Channel(kombu_redis.Channel):
         if connection.client.transport_cls == "emqs" and not connection.client.ssl:
             self.connection_class = self.connection_class_ssl
         self._no_ack: dict[str, bool] = {}
+        self._wake_queues: dict[str, str] = {}
         self._store: JobStore | None = None
         self._store_pool: Any = None
         super().__init__(connection, *args, **kwargs)
@@ -166,6 +167,11 @@ class Channel(kombu_redis.Channel):
         if not queues:
             return
         wake_keys = [self.store.keys(q).wake for q in queues]
+        for q, key in zip(queues, wake_keys):
+            self._wake_queues[key] = q
+            if self.global_keyprefix and key.startswith(self.global_keyprefix):
+                # kombu's prefixing client strips its prefix from BRPOP replies.
+                self._wake_queues[key[len(self.global_keyprefix) :]] = q
         self._in_poll = self.client.connection
         self._brpop_sent_at = monotonic()
         self.client.connection.send_command("BRPOP", *wake_keys, timeout or 0)
@@ -183,7 +189,7 @@ class Channel(kombu_redis.Channel):
             self._flush_brpop_reauth()
         if not reply:
             return None
-        return self._queue_of_wake_key(bytes_to_str(reply[0]))
+        return self._wake_queues[bytes_to_str(reply[0])]
 
     def _brpop_read(self, **options: Any) -> bool:
         queue = self._brpop_reply(**options)
@@ -243,11 +249,6 @@ class Channel(kombu_redis.Channel):
             headers[DELIVERIES_HEADER] = job.deliveries
             props.setdefault("delivery_info", {})["redelivered"] = True
         return payload  # type: ignore[no-any-return]
-
-    def _queue_of_wake_key(self, key: str) -> str:
-        # <p>:{q}:wake -> q
-        base = key[len(self.emq.key_prefix) + 2 : -len("}:wake")]
-        return base
 
     # -- settling --------------------------------------------------------
 

@@ -1,0 +1,281 @@
+"""The transport contract, driven only through kombu's Connection/Producer/Consumer."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from kombu import Connection, Consumer, Exchange, Producer, Queue
+
+import celery_emq  # noqa: F401  (registers emq://)
+from celery_emq import InvalidOptionError
+from celery_emq.lease import keeper
+from celery_emq.store import JobStore
+
+ConnFactory = Callable[..., Connection]
+
+
+@pytest.fixture
+def connect(redis_url: str, prefix: str) -> Iterator[ConnFactory]:
+    opened: list[Connection] = []
+
+    def factory(**topts: Any) -> Connection:
+        url = redis_url.replace("redis://", "emq://", 1)
+        conn = Connection(url, transport_options={"global_keyprefix": prefix, **topts})
+        opened.append(conn)
+        return conn
+
+    yield factory
+    for conn in opened:
+        conn.release()
+
+
+@pytest.fixture
+def store(client: redis.Redis, prefix: str) -> JobStore:
+    return JobStore(client, prefix + "emq", lease_ms=30_000)
+
+
+def queue(name: str = "q") -> Queue:
+    return Queue(name, Exchange(name, "direct"), routing_key=name)
+
+
+def drain(conn: Connection, q: Queue, n: int, ack: bool = True, timeout: float = 5) -> list[Any]:
+    got: list[Any] = []
+
+    def on_message(body: Any, message: Any) -> None:
+        got.append((body, message))
+        if ack:
+            message.ack()
+
+    with Consumer(conn.channel(), [q], callbacks=[on_message], accept=["json"]):
+        deadline = time.monotonic() + timeout
+        while len(got) < n and time.monotonic() < deadline:
+            try:
+                conn.drain_events(timeout=0.5)
+            except TimeoutError:
+                pass
+    return got
+
+
+def publish(conn: Connection, q: Queue, bodies: list[Any], **kw: Any) -> None:
+    producer = Producer(conn.channel())
+    for body in bodies:
+        producer.publish(
+            body,
+            exchange=q.exchange,
+            routing_key=q.routing_key,
+            declare=[q],
+            serializer="json",
+            **kw,
+        )
+
+
+def test_roundtrip_acks_and_leaves_no_job(connect: ConnFactory, store: JobStore) -> None:
+    conn, q = connect(), queue()
+    publish(conn, q, [{"n": i} for i in range(10)])
+    assert store.counts("q") == {"pending": 10, "active": 0, "dead": 0}
+    got = drain(conn, q, 10)
+    assert [b["n"] for b, _ in got] == list(range(10))
+    assert store.counts("q") == {"pending": 0, "active": 0, "dead": 0}
+    assert keeper().held_count() == 0
+
+
+def test_lower_priority_number_is_consumed_first(connect: ConnFactory) -> None:
+    conn, q = connect(), queue()
+    publish(conn, q, ["late"], priority=9)
+    publish(conn, q, ["early"], priority=0)
+    publish(conn, q, ["middle"], priority=5)
+    assert [b for b, _ in drain(conn, q, 3)] == ["early", "middle", "late"]
+
+
+def test_unacked_message_holds_a_lease_until_ack(connect: ConnFactory, store: JobStore) -> None:
+    conn, q = connect(lease_ms=2000), queue()
+    publish(conn, q, ["x"])
+    [(_, message)] = drain(conn, q, 1, ack=False)
+    assert store.counts("q")["active"] == 1
+    row = store.job("q", message.delivery_tag)
+    assert row["owner"] == keeper().owner
+    time.sleep(2.5)  # past the lease: the keeper must have renewed it
+    score = store.client.zscore(store.keys("q").active, message.delivery_tag)
+    assert score > time.time() * 1000
+    message.ack()
+    assert store.counts("q") == {"pending": 0, "active": 0, "dead": 0}
+
+
+def test_requeue_redelivers_marked(connect: ConnFactory, store: JobStore) -> None:
+    conn, q = connect(), queue()
+    publish(conn, q, ["x"])
+    [(_, first)] = drain(conn, q, 1, ack=False)
+    first.requeue()
+    assert store.counts("q") == {"pending": 1, "active": 0, "dead": 0}
+    [(_, second)] = drain(conn, q, 1)
+    assert second.delivery_tag == first.delivery_tag
+    assert second.delivery_info["redelivered"] is True
+    assert second.headers["emq_deliveries"] == 2
+    assert second.headers["emq_stalled"] == 0
+
+
+def test_reject_without_requeue_goes_to_the_morgue(connect: ConnFactory, store: JobStore) -> None:
+    conn, q = connect(), queue()
+    publish(conn, q, ["x"])
+    [(_, message)] = drain(conn, q, 1, ack=False)
+    message.reject()
+    assert store.counts("q") == {"pending": 0, "active": 0, "dead": 1}
+    assert store.job("q", message.delivery_tag)["last_error"] == "rejected"
+
+
+def test_malformed_payload_is_dead_lettered_and_consuming_goes_on(
+    connect: ConnFactory, store: JobStore
+) -> None:
+    conn, q = connect(), queue()
+    publish(conn, q, ["before"])
+    store.enqueue("q", "broken", b"{not json")
+    publish(conn, q, ["after"])
+    got = drain(conn, q, 2)
+    assert [b for b, _ in got] == ["before", "after"]
+    row = store.job("q", "broken")
+    assert (row["state"], row["last_error"]) == ("dead", "malformed")
+    assert "JSONDecodeError" in row["error"]
+    assert store.counts("q") == {"pending": 0, "active": 0, "dead": 1}
+
+
+def test_closing_a_channel_releases_unacked_at_once(connect: ConnFactory, store: JobStore) -> None:
+    conn, q = connect(), queue()
+    publish(conn, q, ["a", "b", "c"])
+    got = drain(conn, q, 3, ack=False)
+    assert len(got) == 3
+    assert store.counts("q")["active"] == 3
+    got[0][1].channel.close()
+    assert store.counts("q") == {"pending": 3, "active": 0, "dead": 0}
+    for _, message in got:
+        row = store.job("q", message.delivery_tag)
+        assert (row["state"], row["stalled"]) == ("pending", "0")
+    assert keeper().held_count() == 0
+
+
+def test_basic_get(connect: ConnFactory, store: JobStore) -> None:
+    conn, q = connect(), queue()
+    publish(conn, q, ["a", "b"])
+    bound = q(conn.channel())
+    m = bound.get(no_ack=True)
+    assert m.payload == "a"
+    assert store.counts("q") == {"pending": 1, "active": 0, "dead": 0}
+    m = bound.get()
+    assert m.payload == "b"
+    assert store.counts("q")["active"] == 1
+    m.ack()
+    assert bound.get() is None
+    assert store.counts("q") == {"pending": 0, "active": 0, "dead": 0}
+
+
+def test_size_and_purge(connect: ConnFactory, store: JobStore) -> None:
+    conn, q = connect(), queue()
+    publish(conn, q, list(range(25)))
+    bound = q(conn.channel())
+    assert bound.queue_declare().message_count == 25
+    assert bound.purge() == 25
+    assert store.counts("q")["pending"] == 0
+
+
+def test_blocked_consumer_wakes_on_publish_without_polling(connect: ConnFactory) -> None:
+    # With a 5 s BRPOP timeout a polling consumer would wait seconds; a woken
+    # one returns as soon as the marker lands.
+    conn, q = connect(polling_interval=5), queue()
+    woke: list[float] = []
+
+    def on_message(body: Any, message: Any) -> None:
+        woke.append(time.monotonic())
+        message.ack()
+
+    with Consumer(conn.channel(), [q], callbacks=[on_message], accept=["json"]):
+        try:
+            conn.drain_events(timeout=0.3)  # settle into the blocking wait
+        except TimeoutError:
+            pass
+        sent: list[float] = []
+
+        def later() -> None:
+            time.sleep(0.5)
+            with connect() as other:
+                sent.append(time.monotonic())
+                publish(other, q, ["ping"])
+
+        t = threading.Thread(target=later)
+        t.start()
+        conn.drain_events(timeout=4)
+        t.join()
+    assert woke and sent
+    assert woke[0] - sent[0] < 1.0
+
+
+def test_expiring_queue_keys_carry_a_ttl(connect: ConnFactory, store: JobStore) -> None:
+    conn = connect()
+    q = Queue("tmp", Exchange("tmp", "direct"), "tmp", expires=30)
+    publish(conn, q, ["x"])
+    k = store.keys("tmp")
+    for key in (k.pending, k.wake, k.job(store.client.zrange(k.pending, 0, 0)[0].decode())):
+        assert 0 < store.client.pttl(key) <= 30_000
+
+
+def test_fanout_broadcast_still_works(connect: ConnFactory) -> None:
+    conn = connect()
+    ex = Exchange("bcast", "fanout")
+    got: list[Any] = []
+    with Consumer(
+        conn.channel(), [Queue("b1", ex)], callbacks=[lambda b, m: got.append(b)], no_ack=True
+    ):
+        try:
+            conn.drain_events(timeout=0.2)
+        except TimeoutError:
+            pass
+        with connect() as other:
+            Producer(other.channel(), exchange=ex).publish("hello", serializer="json")
+        deadline = time.monotonic() + 3
+        while not got and time.monotonic() < deadline:
+            try:
+                conn.drain_events(timeout=0.5)
+            except TimeoutError:
+                pass
+    assert got == ["hello"]
+
+
+def test_transport_by_import_path(redis_url: str, prefix: str, store: JobStore) -> None:
+    from urllib.parse import urlparse
+
+    u = urlparse(redis_url)
+    with Connection(
+        hostname=u.hostname,
+        port=u.port,
+        virtual_host=u.path.lstrip("/"),
+        transport="celery_emq.transport:Transport",
+        transport_options={"global_keyprefix": prefix},
+    ) as conn:
+        publish(conn, queue(), ["x"])
+    assert store.counts("q")["pending"] == 1
+
+
+def test_invalid_option_fails_by_name(connect: ConnFactory) -> None:
+    with pytest.raises(InvalidOptionError, match="lease_ms"):
+        connect(lease_ms=-1).channel()
+
+
+def test_lease_survives_a_dropped_connection(
+    connect: ConnFactory, store: JobStore, client: redis.Redis
+) -> None:
+    conn, q = connect(lease_ms=2000, client_name="emq-contract-drop"), queue()
+    publish(conn, q, ["x"])
+    [(_, message)] = drain(conn, q, 1, ack=False)
+    # Drop every connection of this client, as a broker hiccup would.
+    for c in client.client_list():
+        if c.get("name") == "emq-contract-drop":
+            client.client_kill_filter(_id=c["id"])
+    time.sleep(2.5)
+    row = store.job("q", message.delivery_tag)
+    assert row["state"] == "active"
+    assert store.client.zscore(store.keys("q").active, message.delivery_tag) > time.time() * 1000
+    message.ack()
+    assert store.counts("q") == {"pending": 0, "active": 0, "dead": 0}
