@@ -167,7 +167,7 @@ class Channel(kombu_redis.Channel):
         if not queues:
             return
         wake_keys = [self.store.keys(q).wake for q in queues]
-        for q, key in zip(queues, wake_keys):
+        for q, key in zip(queues, wake_keys, strict=True):
             self._wake_queues[key] = q
             if self.global_keyprefix and key.startswith(self.global_keyprefix):
                 # kombu's prefixing client strips its prefix from BRPOP replies.

@@ -1,0 +1,149 @@
+"""Drain-rate benchmark: the same workload through stock ``redis://`` and ``emq://``.
+
+Each round pre-fills N ``tick`` tasks, starts one prefork worker, and measures
+the drain rate from the first task run to the last; the publish rate and the
+Redis memory held per queued task are measured on the way. Rounds alternate
+between the transports so machine noise hits both alike. Prints a table and
+the emq/stock ratios (medians).
+
+    python bench/drain.py --tasks 2000 --rounds 3 --concurrency 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import redis
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def scan_delete(client: redis.Redis, prefix: str) -> None:
+    keys = list(client.scan_iter(match=prefix + "*", count=1000))
+    for i in range(0, len(keys), 500):
+        client.delete(*keys[i : i + 500])
+
+
+def one_round(scheme: str, args: argparse.Namespace) -> dict[str, float]:
+    prefix = f"bench{uuid.uuid4().hex[:8]}:"
+    db_url = f"redis://{args.host}:{args.port}/{args.db}"
+    env = {
+        **os.environ,
+        "BENCH_BROKER": f"{scheme}://{args.host}:{args.port}/{args.db}",
+        "BENCH_RECORD": db_url,
+        "BENCH_PREFIX": prefix,
+        "BENCH_ACKS_LATE": "1" if args.acks_late else "0",
+    }
+    client = redis.Redis.from_url(db_url)
+    # Publish from a child process so both transports pay the same import costs.
+    publish = (
+        "import time, bench.app as b\n"
+        f"n = {args.tasks}\n"
+        "t = time.perf_counter()\n"
+        "with b.app.producer_or_acquire() as p:\n"
+        "    for _ in range(n): b.tick.apply_async(producer=p)\n"
+        "print(time.perf_counter() - t)\n"
+    )
+    mem0 = client.info("memory")["used_memory"]
+    out = subprocess.run(
+        [sys.executable, "-c", publish],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    publish_s = float(out.stdout.strip().splitlines()[-1])
+    mem_per_task = (client.info("memory")["used_memory"] - mem0) / args.tasks
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "bench.app",
+            "worker",
+            "-c",
+            str(args.concurrency),
+            "-P",
+            "prefork",
+            "--without-mingle",
+            "--without-gossip",
+            "-l",
+            "warning",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + args.timeout
+        while int(client.get(prefix + "count") or 0) < args.tasks:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{scheme}: not drained within {args.timeout} s")
+            time.sleep(0.05)
+        first = float(client.get(prefix + "first") or 0)
+        last = float(client.get(prefix + "last") or 0)
+    finally:
+        worker.terminate()
+        try:
+            worker.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, 9)
+            worker.wait(10)
+        scan_delete(client, prefix)
+        # The stock transport's binding and unacked keys carry the prefix too.
+    return {
+        "drain_per_s": (args.tasks - 1) / (last - first),
+        "publish_per_s": args.tasks / publish_s,
+        "bytes_per_queued_task": mem_per_task,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tasks", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=2)
+    ap.add_argument("--acks-late", action="store_true")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=6379)
+    ap.add_argument("--db", type=int, default=12)
+    ap.add_argument("--timeout", type=float, default=300)
+    args = ap.parse_args()
+
+    results: dict[str, list[dict[str, float]]] = {"redis": [], "emq": []}
+    for r in range(args.rounds):
+        for scheme in ("redis", "emq"):
+            res = one_round(scheme, args)
+            results[scheme].append(res)
+            print(
+                f"round {r + 1} {scheme:5}  drain {res['drain_per_s']:8.0f}/s  "
+                f"publish {res['publish_per_s']:8.0f}/s  "
+                f"{res['bytes_per_queued_task']:6.0f} B/queued task",
+                flush=True,
+            )
+    print()
+    print(
+        f"{args.tasks} tasks, prefork -c {args.concurrency}, acks_late={args.acks_late}, "
+        f"{args.rounds} rounds, medians:"
+    )
+    print(f"{'metric':24} {'redis://':>12} {'emq://':>12} {'emq/stock':>10}")
+    for metric in ("drain_per_s", "publish_per_s", "bytes_per_queued_task"):
+        stock = statistics.median(x[metric] for x in results["redis"])
+        emq = statistics.median(x[metric] for x in results["emq"])
+        print(f"{metric:24} {stock:12.0f} {emq:12.0f} {emq / stock:10.2f}")
+
+
+if __name__ == "__main__":
+    main()

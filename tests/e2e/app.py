@@ -1,0 +1,99 @@
+"""The Celery app the end-to-end tests run under real ``celery worker`` processes.
+
+Configured from the environment so each test gets its own key prefix and lease:
+``EMQ_E2E_REDIS`` (a ``redis://`` URL), ``EMQ_E2E_PREFIX``, ``EMQ_E2E_LEASE_MS``.
+Tasks record every run in Redis under the prefix so tests can count them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+
+import celery_emq  # noqa: F401  (registers emq://)
+
+REDIS = os.environ.get("EMQ_E2E_REDIS", "redis://127.0.0.1:6379/11")
+PREFIX = os.environ.get("EMQ_E2E_PREFIX", "e2e:")
+LEASE_MS = int(os.environ.get("EMQ_E2E_LEASE_MS", "30000"))
+
+
+def make_conf(redis_url: str, prefix: str, lease_ms: int) -> dict[str, Any]:
+    """Return the Celery settings shared by the workers and the test's client."""
+    return {
+        "broker_url": redis_url.replace("redis://", "emq://", 1),
+        "result_backend": redis_url,
+        "result_backend_transport_options": {"global_keyprefix": prefix},
+        "broker_transport_options": {
+            "global_keyprefix": prefix,
+            "lease_ms": lease_ms,
+            "client_name": os.environ.get("EMQ_E2E_CLIENT_NAME", "emq-e2e"),
+        },
+        "broker_connection_retry_on_startup": True,
+        "task_acks_late": os.environ.get("EMQ_E2E_ACKS_LATE", "1") == "1",
+        "worker_prefetch_multiplier": int(os.environ.get("EMQ_E2E_PREFETCH", "4")),
+        "result_expires": 600,
+        "worker_hijack_root_logger": False,
+    }
+
+
+def client_app(redis_url: str, prefix: str, lease_ms: int = 30000) -> Celery:
+    """A Celery app for the test process, sending to the same queues."""
+    c = Celery("e2e-client", set_as_current=False)
+    c.conf.update(make_conf(redis_url, prefix, lease_ms))
+    return c
+
+
+app = Celery("e2e")
+app.conf.update(make_conf(REDIS, PREFIX, LEASE_MS))
+
+_r: redis.Redis | None = None
+
+
+def rec() -> redis.Redis:
+    global _r
+    if _r is None:
+        _r = redis.Redis.from_url(REDIS)
+    return _r
+
+
+def note_run(tag: str) -> int:
+    """Count one run of ``tag`` and remember when it started."""
+    pipe = rec().pipeline()
+    pipe.hincrby(PREFIX + "runs", tag, 1)
+    pipe.rpush(PREFIX + "started:" + tag, repr(time.time()))
+    return int(pipe.execute()[0])
+
+
+@app.task(ignore_result=True)
+def record(i: int) -> None:
+    rec().hincrby(PREFIX + "runs", str(i), 1)
+
+
+@app.task
+def sleepy(seconds: float, tag: str) -> str:
+    note_run(tag)
+    time.sleep(seconds)
+    rec().rpush(PREFIX + "done", tag)
+    return tag
+
+
+@app.task
+def add(x: int, y: int) -> int:
+    return x + y
+
+
+@app.task
+def tsum(values: list[int]) -> int:
+    return sum(values)
+
+
+@app.task(bind=True, max_retries=5, default_retry_delay=0.2)
+def flaky(self: Any, tag: str, fail_times: int) -> int:
+    n = note_run(tag)
+    if n <= fail_times:
+        raise self.retry(countdown=0.2)
+    return n
