@@ -7,10 +7,17 @@ schemes with kombu; nothing else happens at import time.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 from kombu.transport import TRANSPORT_ALIASES
 
-from .errors import EmqError, InvalidOptionError, InvalidQueueNameError, ScriptContractError
+from .errors import (
+    EmqError,
+    InvalidOptionError,
+    InvalidQueueNameError,
+    ScriptContractError,
+    StalledJobError,
+)
 from .options import EmqOptions
 
 __all__ = [
@@ -19,7 +26,17 @@ __all__ = [
     "InvalidOptionError",
     "InvalidQueueNameError",
     "ScriptContractError",
+    "StalledJobError",
+    "schedule_sweep",
 ]
+
+
+def schedule_sweep(app: Any, every_s: float = 30.0, queues: Any = None) -> dict[str, Any]:
+    """Schedule the ``celery_emq.sweep`` task with beat; see :mod:`celery_emq.tasks`."""
+    from .tasks import schedule_sweep as schedule
+
+    return schedule(app, every_s, queues)
+
 
 __version__ = "0.1.0"
 

@@ -7,6 +7,7 @@ __all__ = [
     "InvalidOptionError",
     "InvalidQueueNameError",
     "ScriptContractError",
+    "StalledJobError",
 ]
 
 
@@ -37,3 +38,28 @@ class ScriptContractError(EmqError):
     This signals a bug or a foreign writer on the keys, never an expected
     outcome: expected outcomes are return codes.
     """
+
+
+class StalledJobError(EmqError):
+    """A task was dead-lettered: it stalled more times than its budget allows.
+
+    Stored as the task's result (when a result backend is configured), so
+    ``AsyncResult.get()`` raises it instead of waiting forever.
+    """
+
+    def __init__(
+        self,
+        message: str = "",
+        job_id: str = "",
+        queue: str = "",
+        stalled: int = 0,
+        reason: str = "",
+    ) -> None:
+        self.job_id = job_id
+        self.queue = queue
+        self.stalled = stalled
+        self.reason = reason
+        super().__init__(message or f"job {job_id} in {queue} stalled {stalled} times ({reason})")
+
+    def __reduce__(self) -> tuple[type[StalledJobError], tuple[str, str, str, int, str]]:
+        return (type(self), (str(self), self.job_id, self.queue, self.stalled, self.reason))

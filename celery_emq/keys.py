@@ -16,7 +16,10 @@ key                             type    content
                                         block on it with BRPOP, then claim
 ``<p>:{q}:seq``                 STRING  tail sequence (INCR) for FIFO order
 ``<p>:{q}:head``                STRING  head sequence (INCR) for front-of-queue inserts
-``<p>:{q}:metrics:<name>``      HASH    counters (field ``count``): ``failed``, ...
+``<p>:{q}:metrics:<name>``      HASH    counters (field ``count``): ``completed``,
+                                        ``recovered``, ``stalled``, ``failed``
+``<p>:queues``                  SET     registry of queue names (no hash tag: read
+                                        by the sweep and the CLI, never by a script)
 ==============================  ======  ==============================================
 
 ``<p>`` is the key prefix (transport option ``key_prefix``, default ``emq``,
@@ -42,7 +45,11 @@ JOB_FIELDS: tuple[str, ...] = (
     "owner",  # worker identity holding the lease while active
     "enqueued_ms",  # first publish time
     "claimed_ms",  # time of the latest claim
-    "last_error",  # reason of the latest stall / death
+    "max_stalled",  # the job's own stall budget, when it has one (-1: never)
+    "last_error",  # why the job died: stalled | malformed | rejected
+    "reason",  # the latest stall's or death's reason: lease_expired | worker_lost | ...
+    "error",  # human-readable detail of the death
+    "history",  # JSON list of the job's stalls: at, reason, owner, stalled
     "died_ms",  # time of death (dead jobs)
 )
 

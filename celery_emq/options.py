@@ -33,12 +33,25 @@ class EmqOptions:
             defaults to a third of ``lease_ms`` and must be less than half of it.
         claim_batch: Most jobs one claim takes (bounded further by prefetch).
         key_prefix: Prefix of every key; kombu's ``global_keyprefix`` goes in front.
+        max_stalled: Stalls a job is forgiven: ``1`` recovers a job once and
+            dead-letters it on its second stall, ``0`` dead-letters on the first,
+            ``None`` never dead-letters. A task may set its own
+            (``emq_max_stalled``).
+        sweep_interval_s: How often each consuming worker sweeps its queues.
+        sweep_batch: Most lapsed jobs one sweep script call examines.
+        dead_max_size: Most dead jobs a queue's morgue keeps (0: no bound).
+        dead_max_age_s: How long a dead job is kept (0: forever).
     """
 
     lease_ms: int = 30_000
     renew_interval_ms: int = 10_000
     claim_batch: int = 64
     key_prefix: str = "emq"
+    max_stalled: int | None = 1
+    sweep_interval_s: float = 5.0
+    sweep_batch: int = 500
+    dead_max_size: int = 10_000
+    dead_max_age_s: int = 7 * 86_400
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -63,9 +76,24 @@ class EmqOptions:
         if not isinstance(prefix, str) or not prefix or "{" in prefix or "}" in prefix:
             raise InvalidOptionError("key_prefix", prefix, "a non-empty string without '{' or '}'")
         global_prefix = topts.get("global_keyprefix") or ""
+        max_stalled = topts.get("max_stalled", cls.max_stalled)
+        if max_stalled is not None:
+            max_stalled = _int(topts, "max_stalled", 1, 0, 1_000_000)
+        interval = topts.get("sweep_interval_s", cls.sweep_interval_s)
+        if (
+            isinstance(interval, bool)
+            or not isinstance(interval, int | float)
+            or not 0.1 <= interval <= 3600
+        ):
+            raise InvalidOptionError("sweep_interval_s", interval, "a number from 0.1 to 3600")
         return cls(
             lease_ms=lease_ms,
             renew_interval_ms=renew_interval_ms,
             claim_batch=claim_batch,
             key_prefix=f"{global_prefix}{prefix}",
+            max_stalled=max_stalled,
+            sweep_interval_s=float(interval),
+            sweep_batch=_int(topts, "sweep_batch", cls.sweep_batch, 1, 1000),
+            dead_max_size=_int(topts, "dead_max_size", cls.dead_max_size, 0, 100_000_000),
+            dead_max_age_s=_int(topts, "dead_max_age_s", cls.dead_max_age_s, 0, 10 * 365 * 86_400),
         )

@@ -15,7 +15,16 @@ from typing import Any
 from .errors import ScriptContractError
 from .keys import QueueKeys
 
-__all__ = ["SCRIPT_NAMES", "Claimed", "Outcome", "Scripts", "script_source"]
+__all__ = [
+    "SCRIPT_NAMES",
+    "UNSET",
+    "Claimed",
+    "Outcome",
+    "Scripts",
+    "Swept",
+    "Unset",
+    "script_source",
+]
 
 SCRIPT_NAMES: tuple[str, ...] = (
     "enqueue",
@@ -25,6 +34,9 @@ SCRIPT_NAMES: tuple[str, ...] = (
     "extend",
     "bury",
     "purge",
+    "reap",
+    "sweep",
+    "trim",
 )
 
 #: Most ids one ``extend`` call carries (the rest go in further calls).
@@ -39,6 +51,32 @@ class Outcome(enum.IntEnum):
     LEASE_LOST = 2
     DUPLICATE = 3
     DEAD = 4
+
+
+class Unset(enum.Enum):
+    """The type of :data:`UNSET`."""
+
+    UNSET = "unset"
+
+
+#: Marks an argument left to the default (where ``None`` has a meaning of its own).
+UNSET = Unset.UNSET
+
+
+def _budget_arg(max_stalled: int | Unset | None) -> str | int:
+    if max_stalled is UNSET:
+        return ""
+    return -1 if max_stalled is None else max_stalled
+
+
+@dataclass(frozen=True)
+class Swept:
+    """One job a sweep examined: what it did and the job's stall count."""
+
+    id: str
+    outcome: str  # "recovered" | "dead"
+    stalled: int
+    payload: bytes
 
 
 @dataclass(frozen=True)
@@ -85,13 +123,18 @@ class Scripts:
         priority: int,
         now_ms: int,
         ttl_ms: int = 0,
+        max_stalled: int | Unset | None = UNSET,
     ) -> Outcome:
-        """Add a job to ``pending``; ``DUPLICATE`` if the id is taken."""
+        """Add a job to ``pending``; ``DUPLICATE`` if the id is taken.
+
+        ``max_stalled`` gives the job a stall budget of its own (``None``: never
+        dead-letter); left unset, the sweep's default applies.
+        """
         return _outcome(
             self._run(
                 "enqueue",
                 [k.pending, k.wake, k.seq, k.job(job_id)],
-                [job_id, payload, k.queue, priority, now_ms, ttl_ms],
+                [job_id, payload, k.queue, priority, now_ms, ttl_ms, _budget_arg(max_stalled)],
             ),
             "enqueue",
         )
@@ -122,7 +165,12 @@ class Scripts:
     def ack(self, k: QueueKeys, job_id: str, owner: str) -> Outcome:
         """Delete a finished job."""
         return _outcome(
-            self._run("ack", [k.active, k.pending, k.job(job_id)], [job_id, owner]), "ack"
+            self._run(
+                "ack",
+                [k.active, k.pending, k.job(job_id), k.metrics("completed")],
+                [job_id, owner],
+            ),
+            "ack",
         )
 
     def release(self, k: QueueKeys, job_id: str, owner: str) -> Outcome:
@@ -161,3 +209,35 @@ class Scripts:
     def purge(self, k: QueueKeys, limit: int) -> int:
         """Delete up to ``limit`` pending jobs; return how many went."""
         return int(self._run("purge", [k.pending, k.wake, k.job_prefix, k.seq, k.head], [limit]))
+
+    def sweep(
+        self,
+        k: QueueKeys,
+        now_ms: int,
+        limit: int,
+        max_stalled: int | None,
+        reason: str,
+        owner: str = "",
+        job_ids: Sequence[str] = (),
+    ) -> list[Swept]:
+        """Count a stall on lapsed (or the named) active jobs; recover or dead-letter each."""
+        reply = self._run(
+            "sweep",
+            [k.active, k.pending, k.wake, k.head, k.dead, k.base],
+            [now_ms, limit, -1 if max_stalled is None else max_stalled, reason, owner, *job_ids],
+        )
+        if len(reply) % 4:
+            raise ScriptContractError(f"sweep.lua answered {len(reply)} items")
+        return [
+            Swept(_text(reply[i]), _text(reply[i + 1]), int(reply[i + 2]), reply[i + 3] or b"")
+            for i in range(0, len(reply), 4)
+        ]
+
+    def reap(self, k: QueueKeys, now_ms: int, limit: int) -> list[str]:
+        """Return lapsed jobs to the front of ``pending``, uncounted; return their ids."""
+        reply = self._run("reap", [k.active, k.pending, k.wake, k.head, k.base], [now_ms, limit])
+        return [_text(x) for x in reply]
+
+    def trim(self, k: QueueKeys, now_ms: int, max_age_ms: int, max_size: int, limit: int) -> int:
+        """Delete dead jobs past the morgue's retention; return how many."""
+        return int(self._run("trim", [k.dead, k.base], [now_ms, max_age_ms, max_size, limit]))

@@ -11,7 +11,7 @@ from typing import Any
 
 from . import clock
 from .keys import QueueKeys
-from .scripts import Claimed, Outcome, Scripts
+from .scripts import UNSET, Claimed, Outcome, Scripts, Swept, Unset
 
 __all__ = ["JobStore"]
 
@@ -50,10 +50,15 @@ class JobStore:
         priority: int = 0,
         ttl_ms: int = 0,
         now_ms: int | None = None,
+        max_stalled: int | Unset | None = UNSET,
     ) -> Outcome:
-        """Add a job to the queue; ``DUPLICATE`` when the id already exists."""
+        """Add a job to the queue; ``DUPLICATE`` when the id already exists.
+
+        ``max_stalled`` gives this job its own stall budget (``None``: never
+        dead-letter); left unset, the sweep's default applies.
+        """
         return self.scripts.enqueue(
-            self.keys(queue), job_id, payload, priority, _now(now_ms), ttl_ms
+            self.keys(queue), job_id, payload, priority, _now(now_ms), ttl_ms, max_stalled
         )
 
     def claim(
@@ -92,6 +97,84 @@ class JobStore:
     ) -> Outcome:
         """Dead-letter a job into the queue's morgue with a reason."""
         return self.scripts.bury(self.keys(queue), job_id, reason, error, _now(now_ms))
+
+    def sweep(
+        self,
+        queue: str,
+        max_stalled: int | None,
+        reason: str = "lease_expired",
+        limit: int = 500,
+        now_ms: int | None = None,
+    ) -> list[Swept]:
+        """Count a stall on up to ``limit`` lapsed jobs; recover or dead-letter each.
+
+        A job is recovered (to the front of its queue) while its stall count is at
+        most its budget, and dead-lettered past it. ``max_stalled`` is the budget
+        of jobs that carry none of their own; ``None`` never dead-letters.
+        """
+        return self.scripts.sweep(self.keys(queue), _now(now_ms), limit, max_stalled, reason)
+
+    def charge(
+        self,
+        queue: str,
+        job_id: str,
+        owner: str,
+        max_stalled: int | None,
+        reason: str,
+        now_ms: int | None = None,
+    ) -> Swept | None:
+        """Count one stall on a job this owner holds now (its worker process was lost).
+
+        Returns what the sweep did with it, or ``None`` when the owner no longer
+        holds the job.
+        """
+        swept = self.scripts.sweep(
+            self.keys(queue), _now(now_ms), 1, max_stalled, reason, owner, [job_id]
+        )
+        return swept[0] if swept else None
+
+    def reap(self, queue: str, limit: int = 500, now_ms: int | None = None) -> list[str]:
+        """Return up to ``limit`` lapsed jobs to the front of their queue, uncounted."""
+        return self.scripts.reap(self.keys(queue), _now(now_ms), limit)
+
+    def trim(
+        self,
+        queue: str,
+        max_age_ms: int,
+        max_size: int,
+        limit: int = 1000,
+        now_ms: int | None = None,
+    ) -> int:
+        """Apply the morgue's retention (0 disables a bound); return how many went."""
+        total = 0
+        while True:
+            n = self.scripts.trim(self.keys(queue), _now(now_ms), max_age_ms, max_size, limit)
+            total += n
+            if n < limit:
+                return total
+
+    def register(self, queue: str) -> None:
+        """Record a queue in the registry the sweep and the CLI iterate."""
+        self.client.sadd(self.registry_key, queue)
+
+    def queues(self) -> list[str]:
+        """Return the registered queue names, sorted."""
+        return sorted(_text(q) for q in self.client.smembers(self.registry_key))
+
+    @property
+    def registry_key(self) -> str:
+        """``<p>:queues``: the SET of queue names (outside any hash tag)."""
+        return f"{self.prefix}:queues"
+
+    def metrics(self, queue: str) -> dict[str, int]:
+        """Return the queue's counters: completed, recovered, stalled, failed."""
+        k = self.keys(queue)
+        names = ("completed", "recovered", "stalled", "failed")
+        with self.client.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.hget(k.metrics(name), "count")
+            values = pipe.execute()
+        return {name: int(v or 0) for name, v in zip(names, values, strict=True)}
 
     def purge(self, queue: str) -> int:
         """Delete every pending job of the queue; return how many."""

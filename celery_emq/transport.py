@@ -22,9 +22,10 @@ from kombu.utils.json import dumps, loads
 
 from .lease import keeper
 from .options import EmqOptions
-from .scripts import Claimed, Outcome
+from .scripts import UNSET, Claimed, Outcome, Unset
 from .store import JobStore
-from .worker_state import started_delivery_tags
+from .sweeper import Sweeper, sweep_thread
+from .worker_state import install_worker_lost_probe, lost_delivery, started_delivery_tags
 
 __all__ = ["Channel", "QoS", "Transport"]
 
@@ -34,6 +35,8 @@ logger = logging.getLogger(__name__)
 STALLED_HEADER = "emq_stalled"
 #: Header a redelivered message carries: how many times the job was claimed.
 DELIVERIES_HEADER = "emq_deliveries"
+#: Header (at publish) or task attribute giving a job its own stall budget.
+BUDGET_OPTION = "emq_max_stalled"
 
 
 class QoS(kombu_redis.QoS):
@@ -49,11 +52,17 @@ class QoS(kombu_redis.QoS):
         virtual.QoS.append(self, message, delivery_tag)
 
     def ack(self, delivery_tag: str) -> None:
-        self.channel._settle(delivery_tag)
+        if lost_delivery() == delivery_tag:
+            # The pool process running it died: a stall, not a completion.
+            self.channel._charge(delivery_tag, "worker_lost")
+        else:
+            self.channel._settle(delivery_tag)
         virtual.QoS.ack(self, delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
-        if requeue:
+        if lost_delivery() == delivery_tag:
+            self.channel._charge(delivery_tag, "worker_lost")
+        elif requeue:
             self.channel._release(delivery_tag)
         else:
             self.channel._bury(delivery_tag, "rejected", "rejected without requeue")
@@ -98,6 +107,9 @@ class Channel(kombu_redis.Channel):
         self._wake_queues: dict[str, str] = {}
         self._store: JobStore | None = None
         self._store_pool: Any = None
+        self._sweeper: Sweeper | None = None
+        self._registered_queues: set[str] = set()
+        self._budgets: dict[str, int | Unset | None] = {}
         super().__init__(connection, *args, **kwargs)
 
     # -- the store -------------------------------------------------------
@@ -119,6 +131,18 @@ class Channel(kombu_redis.Channel):
         return self._store
 
     @property
+    def sweeper(self) -> Sweeper:
+        """The sweeper over this channel's store (signals, results, events)."""
+        if self._sweeper is None:
+            self._sweeper = Sweeper(self.store, self.emq)
+        return self._sweeper
+
+    def _register(self, queue: str) -> None:
+        if queue not in self._registered_queues:
+            self.store.register(queue)
+            self._registered_queues.add(queue)
+
+    @property
     def owner(self) -> str:
         return keeper().owner
 
@@ -133,8 +157,15 @@ class Channel(kombu_redis.Channel):
         job_id = props.get("delivery_tag") or uuid.uuid4().hex
         props["delivery_tag"] = job_id
         priority = self._get_message_priority(message, reverse=False)
+        ttl_ms = self._expires.get(queue, 0)
+        headers = message.get("headers") or {}
+        budget: int | Unset | None = UNSET
+        if BUDGET_OPTION in headers:
+            budget = _budget(headers[BUDGET_OPTION])
+        if not ttl_ms:
+            self._register(queue)
         outcome = self.store.enqueue(
-            queue, job_id, dumps(message), priority, self._expires.get(queue, 0)
+            queue, job_id, dumps(message), priority, ttl_ms, max_stalled=budget
         )
         if outcome is Outcome.DUPLICATE:
             logger.debug("celery_emq: job %s already in %s; publish ignored", job_id, queue)
@@ -143,7 +174,14 @@ class Channel(kombu_redis.Channel):
 
     def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
         self._no_ack[queue] = bool(no_ack)
-        return super().basic_consume(queue, no_ack, *args, **kwargs)
+        ret = super().basic_consume(queue, no_ack, *args, **kwargs)
+        if not no_ack and queue not in self._fanout_queues:
+            # A consuming process sweeps what it consumes: recovery needs no
+            # other process. Inside a Celery worker, lost pool processes count.
+            self._register(queue)
+            sweep_thread().watch(self.sweeper, queue)
+            install_worker_lost_probe()
+        return ret
 
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
         payloads = self._claim(queue, 1, held=0, no_ack=no_ack)
@@ -243,12 +281,25 @@ class Channel(kombu_redis.Channel):
             self.store.bury(queue, job.id, "malformed", f"{type(exc).__name__}: {exc}")
             return None
         props["delivery_tag"] = job.id
+        if BUDGET_OPTION not in headers:
+            self._apply_task_budget(queue, job.id, headers.get("task"))
         if job.deliveries > 1 or job.stalled:
             headers["redelivered"] = True
             headers[STALLED_HEADER] = job.stalled
             headers[DELIVERIES_HEADER] = job.deliveries
             props.setdefault("delivery_info", {})["redelivered"] = True
         return payload  # type: ignore[no-any-return]
+
+    def _apply_task_budget(self, queue: str, job_id: str, task_name: Any) -> None:
+        """Write a task's own ``emq_max_stalled`` on its job row, if it has one."""
+        if not isinstance(task_name, str):
+            return
+        budget = self._budgets.get(task_name)
+        if budget is None and task_name not in self._budgets:
+            budget = self._budgets[task_name] = _task_budget(task_name)
+        if budget is not UNSET:
+            value = -1 if budget is None else budget
+            self.store.client.hset(self.store.keys(queue).job(job_id), "max_stalled", value)
 
     # -- settling --------------------------------------------------------
 
@@ -274,6 +325,13 @@ class Channel(kombu_redis.Channel):
             return
         store, queue = held
         store.bury(queue, tag, reason, error)
+
+    def _charge(self, tag: str, reason: str) -> None:
+        held = keeper().forget(tag)
+        if held is None:
+            return
+        store, queue = held
+        Sweeper(store, self.emq).charge(queue, tag, self.owner, reason, self.emq.max_stalled)
 
     def _restore(self, message: Any, leftmost: bool = False) -> None:
         self._release(message.delivery_tag)
@@ -304,8 +362,35 @@ class Channel(kombu_redis.Channel):
             if queue is not None:
                 self.store.client.lpush(self.store.keys(queue).wake, 1)
         super().close()
-        if self._store is not None and not keeper().holds(self._store):
-            self._store_pool.disconnect()
+        if self._store is not None:
+            sweep_thread().unwatch_store(self._store)
+            if not keeper().holds(self._store):
+                self._store_pool.disconnect()
+
+
+def _budget(value: Any) -> int | Unset | None:
+    """Read a stall budget given in a header: an int >= 0, or None for never."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    logger.warning(
+        "celery_emq: ignoring %s=%r (expected an int >= 0 or None)", BUDGET_OPTION, value
+    )
+    return UNSET
+
+
+def _task_budget(task_name: str) -> int | Unset | None:
+    """Return the ``emq_max_stalled`` attribute of a task of the current app."""
+    from celery._state import get_current_app
+
+    try:
+        task = get_current_app().tasks.get(task_name)
+    except Exception:
+        return UNSET
+    if task is None or not hasattr(task, BUDGET_OPTION):
+        return UNSET
+    return _budget(getattr(task, BUDGET_OPTION))
 
 
 class Transport(kombu_redis.Transport):

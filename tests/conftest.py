@@ -54,3 +54,19 @@ def prefix(client: redis.Redis) -> Iterator[str]:
 @pytest.fixture
 def store(client: redis.Redis, prefix: str) -> JobStore:
     return JobStore(client, prefix + "emq", lease_ms=5000)
+
+
+def bulk_enqueue(store: JobStore, queue: str, n: int, now_ms: int = 1) -> list[str]:
+    """Enqueue ``n`` jobs ``"0".."n-1"`` through one pipeline; return their ids."""
+    k = store.keys(queue)
+    ids = [str(i) for i in range(n)]
+    script = store.scripts._scripts["enqueue"]
+    with store.client.pipeline() as pipe:
+        for i in ids:
+            script(
+                keys=[k.pending, k.wake, k.seq, k.job(i)],
+                args=[i, b"{}", queue, 0, now_ms, 0, ""],
+                client=pipe,
+            )
+        pipe.execute()
+    return ids

@@ -2,13 +2,14 @@
   KEYS[1] active    <p>:{q}:active (ZSET)
   KEYS[2] pending   <p>:{q}:pending (ZSET)
   KEYS[3] job       <p>:{q}:job:<id> (HASH)
+  KEYS[4] completed <p>:{q}:metrics:completed (HASH, field count)
   ARGV[1] id
   ARGV[2] owner     worker identity that acks
   Returns 0 OK (acked under this owner's lease), 1 NOT_FOUND,
   2 LEASE_LOST (the lease had lapsed or passed to another owner; the job is
   deleted anyway, since it has completed), 4 DEAD (in the morgue; kept).
 ]]
-local active, pending, job = KEYS[1], KEYS[2], KEYS[3]
+local active, pending, job, completed = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local id, owner = ARGV[1], ARGV[2]
 
 local row = redis.call('HMGET', job, 'state', 'owner')
@@ -21,6 +22,7 @@ end
 redis.call('ZREM', active, id)
 redis.call('ZREM', pending, id)
 redis.call('DEL', job)
+redis.call('HINCRBY', completed, 'count', 1)
 if row[1] == 'active' and row[2] == owner then
   return 0
 end

@@ -21,7 +21,7 @@ end
 redis.call('ZREM', active, id)
 redis.call('ZREM', pending, id)
 redis.call('HSET', job, 'state', 'dead', 'owner', '', 'last_error', reason,
-  'error', err, 'died_ms', now_ms)
+  'reason', reason, 'error', err, 'died_ms', now_ms)
 redis.call('ZADD', dead, now_ms, id)
 redis.call('HINCRBY', failed, 'count', 1)
 return 0

@@ -9,11 +9,13 @@
   ARGV[4] priority  0..9, lower is claimed first
   ARGV[5] now_ms
   ARGV[6] ttl_ms    > 0 when the queue expires (x-expires); 0 keeps the keys
+  ARGV[7] max_stalled  this job's own stall budget ('' = the sweep's default, -1 = never)
   Returns 0 OK, 3 DUPLICATE (a job with this id exists; nothing changed).
 ]]
 local pending, wake, seq, job = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local id, payload, queue = ARGV[1], ARGV[2], ARGV[3]
 local priority, now_ms, ttl_ms = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
+local max_stalled = ARGV[7]
 
 -- Priority bands are 2^40 wide: FIFO within a band by the tail sequence.
 local BAND = 1099511627776
@@ -24,6 +26,9 @@ end
 local n = redis.call('INCR', seq)
 redis.call('HSET', job, 'payload', payload, 'queue', queue, 'state', 'pending',
   'priority', priority, 'stalled', 0, 'deliveries', 0, 'enqueued_ms', now_ms)
+if max_stalled ~= '' then
+  redis.call('HSET', job, 'max_stalled', max_stalled)
+end
 redis.call('ZADD', pending, priority * BAND + n, id)
 redis.call('LPUSH', wake, 1)
 if ttl_ms > 0 then

@@ -3,6 +3,7 @@ from __future__ import annotations
 import redis
 
 from celery_emq.store import JobStore
+from tests.conftest import bulk_enqueue
 
 
 def test_extend_moves_the_deadline_of_owned_leases(store: JobStore, client: redis.Redis) -> None:
@@ -29,19 +30,7 @@ def test_extend_reports_lost_leases_and_leaves_them(store: JobStore, client: red
 
 def test_extend_more_ids_than_one_call_carries(store: JobStore, client: redis.Redis) -> None:
     n = 1300
-    with client.pipeline() as pipe:
-        for i in range(n):
-            store.scripts._scripts["enqueue"](
-                keys=[
-                    store.keys("q").pending,
-                    store.keys("q").wake,
-                    store.keys("q").seq,
-                    store.keys("q").job(str(i)),
-                ],
-                args=[str(i), b"{}", "q", 0, 1, 0],
-                client=pipe,
-            )
-        pipe.execute()
+    bulk_enqueue(store, "q", n)
     claimed = []
     while len(claimed) < n:
         claimed += [j.id for j in store.claim("q", "w", count=1000, now_ms=1)]

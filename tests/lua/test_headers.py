@@ -34,7 +34,7 @@ class Recorder:
     def register_script(self, source: str) -> Any:
         def run(keys: list[Any], args: list[Any], client: Any) -> Any:
             self.calls.append((keys, args))
-            return []
+            return 0 if "trim" in source.split("\n", 1)[0] else []
 
         return run
 
@@ -47,6 +47,9 @@ CALLS = {
     "extend": lambda s, k: s.extend(k, "w", 1, ["a", "b"]),
     "bury": lambda s, k: s.bury(k, "id", "r", "e", 1),
     "purge": lambda s, k: s.purge(k, 10),
+    "reap": lambda s, k: s.reap(k, 1, 10),
+    "sweep": lambda s, k: s.sweep(k, 1, 10, 1, "lease_expired", "w", ["a", "b"]),
+    "trim": lambda s, k: s.trim(k, 1, 1000, 10, 10),
 }
 
 

@@ -3,19 +3,13 @@ from __future__ import annotations
 import redis
 
 from celery_emq.store import PURGE_BATCH, JobStore
+from tests.conftest import bulk_enqueue
 
 
 def test_purge_deletes_pending_jobs_in_batches(store: JobStore, client: redis.Redis) -> None:
     n = PURGE_BATCH + 250
     k = store.keys("q")
-    with client.pipeline() as pipe:
-        for i in range(n):
-            store.scripts._scripts["enqueue"](
-                keys=[k.pending, k.wake, k.seq, k.job(str(i))],
-                args=[str(i), b"{}", "q", 0, 1, 0],
-                client=pipe,
-            )
-        pipe.execute()
+    bulk_enqueue(store, "q", n)
     store.claim("q", "w", count=1, now_ms=1)  # one active job stays
     assert store.purge("q") == n - 1
     assert client.zcard(k.pending) == 0

@@ -1,0 +1,274 @@
+"""The sweep: the counted, bounded recovery of stalled jobs, and what follows it.
+
+:class:`Sweeper` runs ``sweep`` (or ``reap``) passes over queues, then hands each
+job it touched to the signals; a dead-lettered job's task is also recorded as
+failed (a ``StalledJobError`` result and a ``task-failed`` event) so nothing
+waits on it forever. A process-wide thread runs a sweeper for every queue the
+process consumes, so recovery needs nothing but workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import clock
+from .errors import StalledJobError
+from .jobs import JobInfo, describe
+from .options import EmqOptions
+from .scripts import Swept
+from .signals import job_dead_lettered, job_recovered, job_stalled
+from .store import JobStore
+
+__all__ = ["SweepReport", "Sweeper", "sweep_thread"]
+
+logger = logging.getLogger(__name__)
+
+#: Most script calls one pass makes per queue, so a pass is bounded in time.
+MAX_CALLS_PER_PASS = 100
+
+
+@dataclass
+class SweepReport:
+    """What one pass over one queue did."""
+
+    queue: str
+    recovered: list[str] = field(default_factory=list)
+    dead: list[str] = field(default_factory=list)
+    reaped: list[str] = field(default_factory=list)
+    trimmed: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "queue": self.queue,
+            "recovered": self.recovered,
+            "dead": self.dead,
+            "reaped": self.reaped,
+            "trimmed": self.trimmed,
+        }
+
+
+class Sweeper:
+    """Runs sweep and reap passes over one store's queues.
+
+    Args:
+        store: the job store.
+        options: the transport options (budget, batch, retention).
+        app: the Celery app whose result backend and events record a
+            dead-lettered task; ``None`` uses the current app when one exists.
+    """
+
+    def __init__(self, store: JobStore, options: EmqOptions, app: Any = None) -> None:
+        self.store = store
+        self.options = options
+        self.app = app
+
+    def sweep(self, queue: str, now_ms: int | None = None) -> SweepReport:
+        """Count a stall on every lapsed job of ``queue``; recover or dead-letter each."""
+        report = SweepReport(queue)
+        for _ in range(MAX_CALLS_PER_PASS):
+            swept = self.store.sweep(
+                queue,
+                self.options.max_stalled,
+                "lease_expired",
+                self.options.sweep_batch,
+                now_ms,
+            )
+            self._after(queue, swept, report, "lease_expired")
+            if len(swept) < self.options.sweep_batch:
+                break
+        if report.dead:
+            report.trimmed = self.trim(queue, now_ms)
+        return report
+
+    def reap(self, queue: str, now_ms: int | None = None) -> SweepReport:
+        """Return every lapsed job of ``queue`` to its queue, uncounted."""
+        report = SweepReport(queue)
+        for _ in range(MAX_CALLS_PER_PASS):
+            reaped = self.store.reap(queue, self.options.sweep_batch, now_ms)
+            report.reaped.extend(reaped)
+            if len(reaped) < self.options.sweep_batch:
+                break
+        return report
+
+    def charge(
+        self, queue: str, job_id: str, owner: str, reason: str, max_stalled: int | None
+    ) -> Swept | None:
+        """Count one stall on a job its owner lost (a pool process died)."""
+        swept = self.store.charge(queue, job_id, owner, max_stalled, reason)
+        if swept is not None:
+            report = SweepReport(queue)
+            self._after(queue, [swept], report, reason)
+            if report.dead:
+                self.trim(queue)
+        return swept
+
+    def trim(self, queue: str, now_ms: int | None = None) -> int:
+        """Apply the morgue's retention to ``queue``."""
+        return self.store.trim(
+            queue,
+            self.options.dead_max_age_s * 1000,
+            self.options.dead_max_size,
+            now_ms=now_ms,
+        )
+
+    def _after(self, queue: str, swept: list[Swept], report: SweepReport, reason: str) -> None:
+        for job in swept:
+            info = describe(job.payload, queue, job.id, job.stalled, reason)
+            _send(job_stalled, info)
+            if job.outcome == "dead":
+                report.dead.append(job.id)
+                logger.error(
+                    "celery_emq: %s[%s] dead-lettered from %s after %d stalls (%s)",
+                    info.task_name,
+                    info.task_id,
+                    queue,
+                    job.stalled,
+                    info.reason,
+                )
+                _send(job_dead_lettered, info)
+                self._record_failure(info)
+            else:
+                report.recovered.append(job.id)
+                logger.warning(
+                    "celery_emq: %s[%s] recovered to %s (stall %d, %s)",
+                    info.task_name,
+                    info.task_id,
+                    queue,
+                    job.stalled,
+                    info.reason,
+                )
+                _send(job_recovered, info)
+
+    def _record_failure(self, info: JobInfo) -> None:
+        """Store a StalledJobError result and send ``task-failed`` for a dead task."""
+        app = self.app or _current_app()
+        if app is None or not info.task_id:
+            return
+        exc = StalledJobError(
+            f"{info.task_name}[{info.task_id}] dead-lettered from {info.queue}: "
+            f"stalled {info.stalled} times ({info.reason})",
+            info.id,
+            info.queue,
+            info.stalled,
+            info.reason,
+        )
+        try:
+            backend = app.backend
+            if not _is_disabled(backend) and not info.headers.get("ignore_result"):
+                backend.mark_as_failure(info.task_id, exc, call_errbacks=False)
+        except Exception:
+            logger.exception("celery_emq: could not store the failure of %s", info.task_id)
+        try:
+            with app.events.default_dispatcher(hostname=_hostname()) as dispatcher:
+                dispatcher.send(
+                    "task-failed",
+                    uuid=info.task_id,
+                    exception=repr(exc),
+                    traceback="",
+                )
+        except Exception:
+            logger.exception("celery_emq: could not send task-failed for %s", info.task_id)
+
+
+def _send(signal: Any, info: JobInfo) -> None:
+    # Celery's Signal.send logs a raising handler and goes on; never let one
+    # break the sweep even if that changes.
+    try:
+        signal.send(sender=info.task_name, job=info)
+    except Exception:
+        logger.exception("celery_emq: a %s handler failed", signal.name)
+
+
+def _is_disabled(backend: Any) -> bool:
+    return type(backend).__name__ == "DisabledBackend"
+
+
+def _current_app() -> Any:
+    from celery._state import get_current_app
+
+    try:
+        return get_current_app()
+    except Exception:
+        return None
+
+
+def _hostname() -> str:
+    return f"emq-sweep@{socket.gethostname()}"
+
+
+class SweepThread:
+    """Sweeps, every ``sweep_interval_s``, each queue this process consumes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queues: dict[tuple[int, str], tuple[Sweeper, str]] = {}
+        self._interval_s: float | None = None
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()
+        self.passes = 0
+
+    def watch(self, sweeper: Sweeper, queue: str) -> None:
+        """Start sweeping ``queue`` with ``sweeper`` (idempotent per store and queue)."""
+        with self._lock:
+            self._queues.setdefault((id(sweeper.store), queue), (sweeper, queue))
+            interval = sweeper.options.sweep_interval_s
+            if self._interval_s is None or interval < self._interval_s:
+                self._interval_s = interval
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="celery_emq-sweeper", daemon=True
+                )
+                self._thread.start()
+
+    def unwatch_store(self, store: JobStore) -> None:
+        """Stop sweeping every queue of ``store``."""
+        with self._lock:
+            for key in [k for k in self._queues if k[0] == id(store)]:
+                del self._queues[key]
+
+    def run_once(self, now_ms: int | None = None) -> list[SweepReport]:
+        """Sweep every watched queue once."""
+        with self._lock:
+            targets = list(self._queues.values())
+        reports = []
+        for sweeper, queue in targets:
+            try:
+                reports.append(sweeper.sweep(queue, now_ms))
+            except Exception:
+                logger.exception("celery_emq: sweep of %s failed; retrying next pass", queue)
+        self.passes += 1
+        return reports
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self._interval_s or 5.0)
+            self._wake.clear()
+            if self._queues:
+                self.run_once(clock.now_ms())
+
+
+_sweep_thread: SweepThread | None = None
+_lock = threading.Lock()
+
+
+def sweep_thread() -> SweepThread:
+    """Return the process-wide sweep thread."""
+    global _sweep_thread
+    with _lock:
+        if _sweep_thread is None:
+            _sweep_thread = SweepThread()
+        return _sweep_thread
+
+
+def _after_fork_in_child() -> None:
+    global _sweep_thread, _lock
+    _sweep_thread = None
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

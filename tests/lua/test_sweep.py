@@ -1,0 +1,208 @@
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import redis
+
+from celery_emq.store import JobStore
+from tests.conftest import bulk_enqueue
+
+
+def lapse(store: JobStore, queue: str, ids: list[str], claimed_ms: int = 1000) -> None:
+    """Enqueue and claim ``ids`` at ``claimed_ms``; their leases lapse at + lease_ms."""
+    for i in ids:
+        store.enqueue(queue, i, json.dumps({"id": i}), now_ms=1)
+    store.claim(queue, "w1", count=len(ids), now_ms=claimed_ms)
+
+
+def after_lease(store: JobStore, claimed_ms: int = 1000) -> int:
+    return claimed_ms + store.lease_ms + 1
+
+
+def test_first_stall_recovers_to_the_front_with_budget_1(
+    store: JobStore, client: redis.Redis
+) -> None:
+    lapse(store, "q", ["a"])
+    store.enqueue("q", "b", b"{}", now_ms=2)
+    [swept] = store.sweep("q", max_stalled=1, now_ms=after_lease(store))
+    assert (swept.id, swept.outcome, swept.stalled) == ("a", "recovered", 1)
+    assert swept.payload == b'{"id": "a"}'
+    k = store.keys("q")
+    assert client.zrange(k.pending, 0, -1) == [b"a", b"b"]
+    assert client.zcard(k.active) == 0
+    row = store.job("q", "a")
+    assert (row["state"], row["stalled"], row["owner"], row["reason"]) == (
+        "pending",
+        "1",
+        "",
+        "lease_expired",
+    )
+    [entry] = json.loads(row["history"])
+    assert entry == {
+        "at": after_lease(store),
+        "reason": "lease_expired",
+        "owner": "w1",
+        "stalled": 1,
+    }
+    assert store.metrics("q") == {"completed": 0, "recovered": 1, "stalled": 1, "failed": 0}
+
+
+def test_second_stall_dead_letters_with_budget_1(store: JobStore, client: redis.Redis) -> None:
+    lapse(store, "q", ["a"])
+    store.sweep("q", max_stalled=1, now_ms=after_lease(store))
+    [job] = store.claim("q", "w2", now_ms=50_000)
+    assert job.stalled == 1  # the count travels with the job into its next claim
+    [swept] = store.sweep("q", max_stalled=1, now_ms=after_lease(store, 50_000))
+    assert (swept.outcome, swept.stalled) == ("dead", 2)
+    k = store.keys("q")
+    assert client.zscore(k.dead, "a") == after_lease(store, 50_000)
+    assert client.zcard(k.pending) == client.zcard(k.active) == 0
+    row = store.job("q", "a")
+    assert (row["state"], row["last_error"], row["stalled"]) == ("dead", "stalled", "2")
+    assert row["died_ms"] == str(after_lease(store, 50_000))
+    assert "max_stalled=1" in row["error"]
+    assert [h["owner"] for h in json.loads(row["history"])] == ["w1", "w2"]
+    assert store.metrics("q")["failed"] == 1
+
+
+def test_budget_0_dead_letters_on_the_first_stall(store: JobStore) -> None:
+    lapse(store, "q", ["a"])
+    [swept] = store.sweep("q", max_stalled=0, now_ms=after_lease(store))
+    assert (swept.outcome, swept.stalled) == ("dead", 1)
+
+
+def test_budget_none_never_dead_letters(store: JobStore) -> None:
+    lapse(store, "q", ["a"])
+    for n in range(1, 26):
+        [swept] = store.sweep("q", max_stalled=None, now_ms=after_lease(store, n * 100_000))
+        assert (swept.outcome, swept.stalled) == ("recovered", n)
+        store.claim("q", "w", now_ms=(n + 1) * 100_000)
+    assert len(json.loads(store.job("q", "a")["history"])) == 20  # bounded history
+
+
+def test_budget_3_recovers_three_times(store: JobStore) -> None:
+    lapse(store, "q", ["a"])
+    outcomes = []
+    for n in range(1, 5):
+        outcomes.append(store.sweep("q", max_stalled=3, now_ms=after_lease(store, n * 100_000))[0])
+        store.claim("q", "w", now_ms=(n + 1) * 100_000)
+    assert [o.outcome for o in outcomes] == ["recovered"] * 3 + ["dead"]
+
+
+def test_a_jobs_own_budget_wins(store: JobStore) -> None:
+    store.enqueue("q", "strict", b"{}", now_ms=1, max_stalled=0)
+    store.enqueue("q", "lenient", b"{}", now_ms=1, max_stalled=None)
+    store.claim("q", "w", count=2, now_ms=1000)
+    swept = {s.id: s.outcome for s in store.sweep("q", max_stalled=1, now_ms=after_lease(store))}
+    assert swept == {"strict": "dead", "lenient": "recovered"}
+
+
+def test_only_lapsed_leases_are_examined(store: JobStore, client: redis.Redis) -> None:
+    lapse(store, "q", ["old"], claimed_ms=1000)
+    lapse(store, "q", ["fresh"], claimed_ms=9000)
+    swept = store.sweep("q", max_stalled=1, now_ms=after_lease(store, 1000))
+    assert [s.id for s in swept] == ["old"]
+    assert client.zscore(store.keys("q").active, "fresh") is not None
+
+
+def test_grouped_priority_is_kept_on_recovery(store: JobStore, client: redis.Redis) -> None:
+    store.enqueue("q", "hi", b"{}", priority=0, now_ms=1)
+    store.enqueue("q", "lo", b"{}", priority=9, now_ms=1)
+    store.claim("q", "w", count=2, now_ms=1000)
+    store.enqueue("q", "new-hi", b"{}", priority=0, now_ms=2)
+    store.sweep("q", max_stalled=1, now_ms=after_lease(store))
+    # Recovered jobs go to the front of their own priority band.
+    assert client.zrange(store.keys("q").pending, 0, -1) == [b"hi", b"new-hi", b"lo"]
+
+
+def test_sweep_is_bounded_per_call_and_covers_8000_plus(
+    store: JobStore, client: redis.Redis
+) -> None:
+    n = 8200
+    bulk_enqueue(store, "q", n)
+    claimed = 0
+    while claimed < n:
+        claimed += len(store.claim("q", "w", count=1000, now_ms=1000))
+    k = store.keys("q")
+    calls = []
+    while True:
+        swept = store.sweep("q", max_stalled=1, limit=1000, now_ms=after_lease(store))
+        calls.append(len(swept))
+        if len(swept) < 1000:
+            break
+    assert calls == [1000] * 8 + [200]
+    assert client.zcard(k.active) == 0
+    assert client.zcard(k.pending) == n
+    assert client.llen(k.wake) == n
+
+
+def test_concurrent_sweepers_recover_each_job_once(store: JobStore, client: redis.Redis) -> None:
+    n = 3000
+    bulk_enqueue(store, "q", n)
+    claimed = 0
+    while claimed < n:
+        claimed += len(store.claim("q", "w", count=1000, now_ms=1000))
+    results: list[list[str]] = []
+    lock = threading.Lock()
+
+    def sweeper() -> None:
+        mine = JobStore(
+            redis.Redis(connection_pool=client.connection_pool), store.prefix, store.lease_ms
+        )
+        got: list[str] = []
+        while True:
+            swept = mine.sweep("q", max_stalled=1, limit=100, now_ms=after_lease(store))
+            got += [s.id for s in swept]
+            if not swept:
+                break
+        with lock:
+            results.append(got)
+
+    threads = [threading.Thread(target=sweeper) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    every = [i for got in results for i in got]
+    assert len(every) == n and len(set(every)) == n
+    assert {store.job("q", i)["stalled"] for i in ("0", "1500", "2999")} == {"1"}
+    assert client.zcard(store.keys("q").pending) == n
+
+
+def test_a_rerun_after_a_crash_recovers_nothing_twice(store: JobStore) -> None:
+    lapse(store, "q", ["a", "b", "c"])
+    # A sweeper that died after one call: one job moved; the restart re-reads the live set.
+    first = store.sweep("q", max_stalled=1, limit=1, now_ms=after_lease(store))
+    rest = store.sweep("q", max_stalled=1, limit=10, now_ms=after_lease(store))
+    again = store.sweep("q", max_stalled=1, limit=10, now_ms=after_lease(store))
+    assert len(first) == 1 and len(rest) == 2 and again == []
+    assert {s.id for s in first + rest} == {"a", "b", "c"}
+
+
+def test_charge_counts_a_stall_only_for_the_owner(store: JobStore, client: redis.Redis) -> None:
+    lapse(store, "q", ["a"])
+    assert store.charge("q", "a", "someone-else", 1, "worker_lost", now_ms=2000) is None
+    swept = store.charge("q", "a", "w1", 1, "worker_lost", now_ms=2000)
+    assert swept is not None
+    assert (swept.outcome, swept.stalled) == ("recovered", 1)
+    assert store.job("q", "a")["reason"] == "worker_lost"
+    store.claim("q", "w1", now_ms=3000)
+    swept = store.charge("q", "a", "w1", 1, "worker_lost", now_ms=4000)
+    assert swept is not None and swept.outcome == "dead"
+    assert client.zscore(store.keys("q").dead, "a") == 4000
+
+
+@pytest.mark.parametrize("limit", [1, 7])
+def test_reap_returns_lapsed_jobs_uncounted(
+    store: JobStore, client: redis.Redis, limit: int
+) -> None:
+    lapse(store, "q", ["a", "b"])
+    reaped = store.reap("q", limit=limit, now_ms=after_lease(store))
+    assert len(reaped) == min(limit, 2)
+    for i in reaped:
+        row = store.job("q", i)
+        assert (row["state"], row["stalled"], row["reason"]) == ("pending", "0", "lease_expired")
+    assert client.zcard(store.keys("q").pending) == len(reaped)
+    assert client.llen(store.keys("q").wake) == len(reaped)

@@ -1,0 +1,136 @@
+"""The sweep's Python side: signals, the failure result, the task-failed event, retention."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_emq import EmqOptions, StalledJobError
+from celery_emq.jobs import JobInfo
+from celery_emq.signals import job_dead_lettered, job_recovered, job_stalled
+from celery_emq.store import JobStore
+from celery_emq.sweeper import Sweeper
+
+
+@pytest.fixture
+def app(redis_url: str, prefix: str) -> Iterator[Celery]:
+    a = Celery("sweeptest", set_as_current=False)
+    a.conf.update(
+        broker_url=redis_url.replace("redis://", "emq://", 1),
+        broker_transport_options={"global_keyprefix": prefix},
+        result_backend=redis_url,
+        result_backend_transport_options={"global_keyprefix": prefix},
+    )
+    yield a
+    a.close()
+
+
+@pytest.fixture
+def captured() -> Iterator[dict[str, list[JobInfo]]]:
+    got: dict[str, list[JobInfo]] = {"stalled": [], "recovered": [], "dead": []}
+
+    def on(kind: str) -> Any:
+        def handler(sender: Any, job: JobInfo, **kw: Any) -> None:
+            got[kind].append(job)
+
+        return handler
+
+    handlers = {"stalled": on("stalled"), "recovered": on("recovered"), "dead": on("dead")}
+    job_stalled.connect(handlers["stalled"])
+    job_recovered.connect(handlers["recovered"])
+    job_dead_lettered.connect(handlers["dead"])
+    yield got
+    job_stalled.disconnect(handlers["stalled"])
+    job_recovered.disconnect(handlers["recovered"])
+    job_dead_lettered.disconnect(handlers["dead"])
+
+
+def lapse_one(app: Celery, store: JobStore, now_ms: int) -> tuple[Any, str]:
+    result = app.send_task("proj.tasks.poison", args=(1, "x"), kwargs={"k": 2})
+    [job] = store.claim("celery", "w1", now_ms=now_ms)
+    return result, job.id
+
+
+def test_dead_letter_fires_signals_stores_failure_and_sends_event(
+    app: Celery, client: redis.Redis, prefix: str, captured: dict[str, list[JobInfo]]
+) -> None:
+    store = JobStore(client, prefix + "emq", 5000)
+    sweeper = Sweeper(store, EmqOptions(max_stalled=1), app=app)
+    result, job_id = lapse_one(app, store, 1000)
+    assert sweeper.sweep("celery", now_ms=7000).recovered == [job_id]
+    store.claim("celery", "w2", now_ms=8000)
+    events: list[dict[str, Any]] = []
+    with app.connection_for_read() as conn:
+        recv = app.events.Receiver(conn, handlers={"task-failed": events.append})
+        it = recv.itercapture(limit=None, timeout=2, wakeup=False)
+        try:
+            next(it)  # declare the event queue before the sweep sends
+        except (TimeoutError, StopIteration):
+            pass
+        report = sweeper.sweep("celery", now_ms=14_000)
+        assert report.dead == [job_id]
+        for _ in range(5):
+            if events:
+                break
+            try:
+                next(it)
+            except (TimeoutError, StopIteration):
+                pass
+        it.close()
+
+    assert [j.stalled for j in captured["stalled"]] == [1, 2]
+    assert [j.id for j in captured["recovered"]] == [job_id]
+    [dead] = captured["dead"]
+    assert (dead.task_name, dead.task_id, dead.args, dead.kwargs) == (
+        "proj.tasks.poison",
+        result.id,
+        [1, "x"],
+        {"k": 2},
+    )
+    assert (dead.queue, dead.stalled, dead.reason) == ("celery", 2, "lease_expired")
+    with pytest.raises(StalledJobError, match="stalled 2 times"):
+        result.get(timeout=5)
+    assert [e["uuid"] for e in events] == [result.id]
+
+
+def test_a_raising_handler_never_breaks_the_sweep(
+    app: Celery, client: redis.Redis, prefix: str, captured: dict[str, list[JobInfo]]
+) -> None:
+    def boom(sender: Any, **kw: Any) -> None:
+        raise RuntimeError("handler bug")
+
+    job_dead_lettered.connect(boom)
+    try:
+        store = JobStore(client, prefix + "emq", 5000)
+        sweeper = Sweeper(store, EmqOptions(max_stalled=0), app=app)
+        _, a = lapse_one(app, store, 1000)
+        second, b = lapse_one(app, store, 1000)
+        report = sweeper.sweep("celery", now_ms=7000)
+    finally:
+        job_dead_lettered.disconnect(boom)
+    assert sorted(report.dead) == sorted([a, b])
+    assert len(captured["dead"]) == 2
+    with pytest.raises(StalledJobError):
+        second.get(timeout=5)
+
+
+def test_retention_applies_as_jobs_die(app: Celery, client: redis.Redis, prefix: str) -> None:
+    store = JobStore(client, prefix + "emq", 5000)
+    sweeper = Sweeper(store, EmqOptions(max_stalled=0, dead_max_size=3), app=app)
+    for _ in range(5):
+        lapse_one(app, store, 1000)
+    report = sweeper.sweep("celery", now_ms=7000)
+    assert len(report.dead) == 5 and report.trimmed == 2
+    assert store.counts("celery")["dead"] == 3
+
+
+def test_malformed_job_is_described_not_raised() -> None:
+    from celery_emq.jobs import describe
+
+    info = describe(b"{not json", "q", "id1", 2, "lease_expired")
+    assert info.task_name is None
+    assert info.decode_error is not None and "JSONDecodeError" in info.decode_error
