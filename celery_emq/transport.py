@@ -25,7 +25,7 @@ from .options import EmqOptions
 from .scripts import UNSET, Claimed, Outcome, Unset
 from .store import JobStore
 from .sweeper import Sweeper, sweep_thread
-from .worker_state import install_worker_lost_probe, lost_delivery, started_delivery_tags
+from .worker_state import install_worker_lost_probe, pop_lost_delivery, started_delivery_tags
 
 __all__ = ["Channel", "QoS", "Transport"]
 
@@ -52,7 +52,7 @@ class QoS(kombu_redis.QoS):
         virtual.QoS.append(self, message, delivery_tag)
 
     def ack(self, delivery_tag: str) -> None:
-        if lost_delivery() == delivery_tag:
+        if pop_lost_delivery(delivery_tag):
             # The pool process running it died: a stall, not a completion.
             self.channel._charge(delivery_tag, "worker_lost")
         else:
@@ -60,7 +60,7 @@ class QoS(kombu_redis.QoS):
         virtual.QoS.ack(self, delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
-        if lost_delivery() == delivery_tag:
+        if pop_lost_delivery(delivery_tag):
             self.channel._charge(delivery_tag, "worker_lost")
         elif requeue:
             self.channel._release(delivery_tag)

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-import contextvars
 import sys
+import threading
+from collections import OrderedDict
 from typing import Any
 
-__all__ = ["install_worker_lost_probe", "lost_delivery", "started_delivery_tags"]
+__all__ = ["install_worker_lost_probe", "pop_lost_delivery", "started_delivery_tags"]
 
-_lost: contextvars.ContextVar[str | None] = contextvars.ContextVar("emq_lost", default=None)
+#: Delivery tags whose pool process died, waiting for Celery's (deferred) ack
+#: or reject of them. Bounded: an entry nobody settles is forgotten eventually.
+_lost: OrderedDict[str, None] = OrderedDict()
+_lost_lock = threading.Lock()
+_LOST_MAX = 10_000
 
 
 def started_delivery_tags() -> set[str]:
@@ -29,9 +34,17 @@ def started_delivery_tags() -> set[str]:
     return tags
 
 
-def lost_delivery() -> str | None:
-    """Return the delivery tag whose pool process was lost, while Celery handles it."""
-    return _lost.get()
+def pop_lost_delivery(tag: str) -> bool:
+    """Return (and forget) whether ``tag``'s pool process was lost."""
+    with _lost_lock:
+        return _lost.pop(tag, False) is None
+
+
+def _mark_lost(tag: str) -> None:
+    with _lost_lock:
+        _lost[tag] = None
+        while len(_lost) > _LOST_MAX:
+            _lost.popitem(last=False)
 
 
 def install_worker_lost_probe() -> None:
@@ -39,12 +52,18 @@ def install_worker_lost_probe() -> None:
 
     Celery settles a delivery whose pool process died (``WorkerLostError``) with
     an ordinary ``ack`` or ``reject``; nothing on the message says why. The probe
-    wraps ``Request.on_failure`` so that, while Celery handles such a loss, the
-    transport knows the delivery tag and counts a stall instead. Installed once
-    per process, only inside a Celery worker.
+    wraps ``Request.on_failure`` to note the delivery tag of such a loss; when
+    Celery's ack or reject of that tag reaches the transport (Celery defers it
+    to the event loop), the transport counts a stall instead.
+
+    A lost pool process is a stall, whatever ``task_reject_on_worker_lost``
+    says: an ``acks_late`` task is handled as if that setting were on (Celery
+    requeues and records no failure), and the transport turns the requeue into
+    a counted recovery, or a dead-letter past the budget. Installed once per
+    process, only inside a Celery worker.
     """
-    if "celery.worker.request" not in sys.modules:
-        return
+    if "celery.worker.consumer" not in sys.modules:
+        return  # not inside a Celery worker
     from billiard.exceptions import WorkerLostError
     from celery.worker.request import Request
 
@@ -64,11 +83,20 @@ def install_worker_lost_probe() -> None:
             success_was_stored = getattr(self, "_success_was_stored", None)
             if success_was_stored is not None and success_was_stored():
                 lost = False  # it finished before its process died: a plain ack
-        token = _lost.set(self.message.delivery_tag if lost else None)
+        task = self.task
+        if not lost or not task.acks_late:
+            return original(self, exc_info, *args, **kwargs)
+        had_own = "reject_on_worker_lost" in vars(task)
+        own = vars(task).get("reject_on_worker_lost")
+        _mark_lost(self.message.delivery_tag)
+        task.reject_on_worker_lost = True
         try:
             return original(self, exc_info, *args, **kwargs)
         finally:
-            _lost.reset(token)
+            if had_own:
+                task.reject_on_worker_lost = own
+            else:
+                del task.reject_on_worker_lost
 
     on_failure._emq_probe = True  # type: ignore[attr-defined]
     Request.on_failure = on_failure

@@ -8,13 +8,16 @@ Tasks record every run in Redis under the prefix so tests can count them.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Any
 
 import redis
 from celery import Celery
 
-import celery_emq  # noqa: F401  (registers emq://)
+import celery_emq
+from celery_emq.jobs import JobInfo
+from celery_emq.signals import job_dead_lettered
 
 REDIS = os.environ.get("EMQ_E2E_REDIS", "redis://127.0.0.1:6379/11")
 PREFIX = os.environ.get("EMQ_E2E_PREFIX", "e2e:")
@@ -31,6 +34,7 @@ def make_conf(redis_url: str, prefix: str, lease_ms: int) -> dict[str, Any]:
             "global_keyprefix": prefix,
             "lease_ms": lease_ms,
             "client_name": os.environ.get("EMQ_E2E_CLIENT_NAME", "emq-e2e"),
+            "sweep_interval_s": float(os.environ.get("EMQ_E2E_SWEEP_S", "5")),
         },
         "broker_connection_retry_on_startup": True,
         "task_acks_late": os.environ.get("EMQ_E2E_ACKS_LATE", "1") == "1",
@@ -49,6 +53,8 @@ def client_app(redis_url: str, prefix: str, lease_ms: int = 30000) -> Celery:
 
 app = Celery("e2e")
 app.conf.update(make_conf(REDIS, PREFIX, LEASE_MS))
+if os.environ.get("EMQ_E2E_BEAT_S"):
+    celery_emq.schedule_sweep(app, every_s=float(os.environ["EMQ_E2E_BEAT_S"]))
 
 _r: redis.Redis | None = None
 
@@ -97,3 +103,32 @@ def flaky(self: Any, tag: str, fail_times: int) -> int:
     if n <= fail_times:
         raise self.retry(countdown=0.2)
     return n
+
+
+def _kill_own_process(self: Any, tag: str) -> None:
+    rec().rpush(PREFIX + "stall-header:" + tag, str(getattr(self.request, "emq_stalled", 0)))
+    note_run(tag)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@app.task(bind=True)
+def poison(self: Any, tag: str) -> None:
+    """Kill the pool process running it, every run."""
+    _kill_own_process(self, tag)
+
+
+@app.task(bind=True, emq_max_stalled=3)
+def poison3(self: Any, tag: str) -> None:
+    """Kill the pool process every run; forgiven three stalls."""
+    _kill_own_process(self, tag)
+
+
+@app.task(bind=True, emq_max_stalled=None)
+def poison_forever(self: Any, tag: str) -> None:
+    """Kill the pool process every run; never dead-lettered."""
+    _kill_own_process(self, tag)
+
+
+@job_dead_lettered.connect
+def _count_dead_letters(sender: Any, job: JobInfo, **kwargs: Any) -> None:
+    rec().hincrby(PREFIX + "dead-signals", f"{job.task_name}:{job.task_id}:{job.reason}", 1)

@@ -1,0 +1,145 @@
+"""End to end: stall recovery with real workers, SIGKILL and poison tasks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from celery_emq import StalledJobError
+from celery_emq.store import JobStore
+
+from .app import client_app
+from .harness import ROOT, Worker, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def runs(client: redis.Redis, prefix: str) -> dict[str, int]:
+    return {k.decode(): int(v) for k, v in client.hgetall(prefix + "runs").items()}
+
+
+def test_sigkilled_worker_task_restarts_on_a_survivor(
+    start_worker: Callable[..., Worker], client: redis.Redis, prefix: str, redis_url: str
+) -> None:
+    lease_ms = 5000
+    capp = client_app(redis_url, prefix, lease_ms)
+    doomed = start_worker("-c", "1", name="doomed", EMQ_E2E_LEASE_MS=str(lease_ms))
+    result = capp.send_task("tests.e2e.app.sleepy", args=(3, "victim"))
+    wait_for(lambda: runs(client, prefix).get("victim") == 1, 15)
+    start_worker("-c", "1", name="survivor", EMQ_E2E_LEASE_MS=str(lease_ms))
+    killed_at = time.time()
+    doomed.kill()
+    wait_for(lambda: runs(client, prefix).get("victim") == 2, 30)
+    restarted_at = float(client.lrange(prefix + "started:victim", -1, -1)[0])
+    recovery_s = restarted_at - killed_at
+    print(f"\nrecovery after SIGKILL: {recovery_s:.2f} s (lease {lease_ms} ms, sweep 5 s)")
+    assert recovery_s < 15
+    assert result.get(timeout=15) == "victim"
+    store = JobStore(client, prefix + "emq", lease_ms)
+    wait_for(lambda: store.counts("celery") == {"pending": 0, "active": 0, "dead": 0}, 5)
+    assert store.metrics("celery")["recovered"] == 1
+    capp.close()
+
+
+@pytest.mark.parametrize(
+    ("task", "expected_runs"),
+    [("tests.e2e.app.poison", 2), ("tests.e2e.app.poison3", 4)],
+)
+def test_poison_task_is_dead_lettered_after_its_budget(
+    task: str,
+    expected_runs: int,
+    start_worker: Callable[..., Worker],
+    capp: Any,
+    client: redis.Redis,
+    prefix: str,
+) -> None:
+    start_worker("-c", "1", "-E")
+    store = JobStore(client, prefix + "emq", 30000)
+    poisoned = capp.send_task(task, args=("p",))
+    innocents = [capp.send_task("tests.e2e.app.add", args=(i, 1)) for i in range(5)]
+    with pytest.raises(StalledJobError, match=f"stalled {expected_runs} times"):
+        poisoned.get(timeout=60, propagate=True)
+    assert [r.get(timeout=30) for r in innocents] == [1, 2, 3, 4, 5]
+    assert runs(client, prefix)["p"] == expected_runs
+    headers = [int(x) for x in client.lrange(prefix + "stall-header:p", 0, -1)]
+    assert headers == list(range(expected_runs))
+    k = store.keys("celery")
+    [dead_id] = [x.decode() for x in client.zrange(k.dead, 0, -1)]
+    row = store.job("celery", dead_id)
+    assert (row["state"], row["stalled"], row["last_error"], row["reason"]) == (
+        "dead",
+        str(expected_runs),
+        "stalled",
+        "worker_lost",
+    )
+    time.sleep(1)  # nothing may run it again
+    assert runs(client, prefix)["p"] == expected_runs
+    signals = {k.decode(): int(v) for k, v in client.hgetall(prefix + "dead-signals").items()}
+    assert signals == {f"{task}:{poisoned.id}:worker_lost": 1}
+    assert store.counts("celery") == {"pending": 0, "active": 0, "dead": 1}
+
+
+def test_poison_with_no_budget_keeps_being_recovered(
+    start_worker: Callable[..., Worker], capp: Any, client: redis.Redis, prefix: str
+) -> None:
+    w = start_worker("-c", "1")
+    capp.send_task("tests.e2e.app.poison_forever", args=("f",))
+    wait_for(lambda: runs(client, prefix).get("f", 0) >= 5, 60)
+    w.kill()
+    store = JobStore(client, prefix + "emq", 30000)
+    assert store.counts("celery")["dead"] == 0
+    assert store.metrics("celery")["failed"] == 0
+    assert store.metrics("celery")["recovered"] >= 4
+
+
+def test_beat_scheduled_sweep_recovers_a_lapsed_job(
+    start_worker: Callable[..., Worker],
+    capp: Any,
+    client: redis.Redis,
+    prefix: str,
+    e2e_env: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    store = JobStore(client, prefix + "emq", 1000)
+    # A job claimed by a worker that is gone: its lease lapses in a second.
+    result = capp.send_task("tests.e2e.app.add", args=(20, 22))
+    [job] = store.claim("celery", "gone-worker", now_ms=int(time.time() * 1000) - 60_000)
+    # The worker's own sweep timer is slowed to an hour, so only beat can recover it.
+    start_worker("-c", "1", EMQ_E2E_SWEEP_S="3600", EMQ_E2E_BEAT_S="1")
+    beat_log = tmp_path / "beat.log"
+    with open(beat_log, "wb") as fh:
+        beat = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "tests.e2e.app",
+                "beat",
+                "-l",
+                "info",
+                "-s",
+                str(tmp_path / "beat-schedule"),
+                "--pidfile",
+                str(tmp_path / "beat.pid"),
+            ],
+            cwd=ROOT,
+            env={**__import__("os").environ, **e2e_env, "EMQ_E2E_BEAT_S": "1"},
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            assert result.get(timeout=30) == 42
+        finally:
+            beat.terminate()
+            beat.wait(10)
+    assert "celery_emq.sweep" in beat_log.read_text()
+    assert store.job("celery", job.id) == {}
+    assert store.metrics("celery")["recovered"] == 1
