@@ -16,6 +16,9 @@ key                             type    content
                                         block on it with BRPOP, then claim
 ``<p>:{q}:seq``                 STRING  tail sequence (INCR) for FIFO order
 ``<p>:{q}:head``                STRING  head sequence (INCR) for front-of-queue inserts
+``<p>:{q}:g:<group>:pending``   ZSET    a fair lane: pending jobs of one group
+``<p>:{q}:lanes``               ZSET    groups that have a lane (score 0, by name)
+``<p>:{q}:cursor``              STRING  the lane a claim served last (rotation)
 ``<p>:{q}:metrics:<name>``      HASH    counters (field ``count``): ``completed``,
                                         ``recovered``, ``stalled``, ``failed``
 ``<p>:queues``                  SET     registry of queue names (no hash tag: read
@@ -45,6 +48,7 @@ JOB_FIELDS: tuple[str, ...] = (
     "owner",  # worker identity holding the lease while active
     "enqueued_ms",  # first publish time
     "claimed_ms",  # time of the latest claim
+    "group",  # fair-lane group, when the job was published with one
     "max_stalled",  # the job's own stall budget, when it has one (-1: never)
     "last_error",  # why the job died: stalled | malformed | rejected
     "reason",  # the latest stall's or death's reason: lease_expired | worker_lost | ...
@@ -93,6 +97,18 @@ class QueueKeys:
     @property
     def head(self) -> str:
         return self.base + "head"
+
+    @property
+    def lanes(self) -> str:
+        return self.base + "lanes"
+
+    @property
+    def cursor(self) -> str:
+        return self.base + "cursor"
+
+    def lane(self, group: str) -> str:
+        """Return the key of one group's fair lane."""
+        return self.base + "g:" + group + ":pending"
 
     @property
     def job_prefix(self) -> str:

@@ -124,8 +124,9 @@ class Scripts:
         now_ms: int,
         ttl_ms: int = 0,
         max_stalled: int | Unset | None = UNSET,
+        group: str = "",
     ) -> Outcome:
-        """Add a job to ``pending``; ``DUPLICATE`` if the id is taken.
+        """Add a job to ``pending`` (or its group's lane); ``DUPLICATE`` if the id is taken.
 
         ``max_stalled`` gives the job a stall budget of its own (``None``: never
         dead-letter); left unset, the sweep's default applies.
@@ -133,8 +134,17 @@ class Scripts:
         return _outcome(
             self._run(
                 "enqueue",
-                [k.pending, k.wake, k.seq, k.job(job_id)],
-                [job_id, payload, k.queue, priority, now_ms, ttl_ms, _budget_arg(max_stalled)],
+                [k.pending, k.wake, k.seq, k.job(job_id), k.lanes, k.base],
+                [
+                    job_id,
+                    payload,
+                    k.queue,
+                    priority,
+                    now_ms,
+                    ttl_ms,
+                    _budget_arg(max_stalled),
+                    group,
+                ],
             ),
             "enqueue",
         )
@@ -152,7 +162,7 @@ class Scripts:
         """Claim up to ``count`` jobs, leasing each to ``owner``."""
         reply = self._run(
             "claim",
-            [k.pending, k.active, k.wake, k.job_prefix, k.seq, k.head],
+            [k.pending, k.active, k.wake, k.seq, k.head, k.lanes, k.cursor, k.base],
             [now_ms, lease_ms, owner, count, held, 1 if no_ack else 0],
         )
         if len(reply) % 4:
@@ -167,7 +177,7 @@ class Scripts:
         return _outcome(
             self._run(
                 "ack",
-                [k.active, k.pending, k.job(job_id), k.metrics("completed")],
+                [k.active, k.pending, k.job(job_id), k.metrics("completed"), k.base],
                 [job_id, owner],
             ),
             "ack",
@@ -178,7 +188,7 @@ class Scripts:
         return _outcome(
             self._run(
                 "release",
-                [k.active, k.pending, k.wake, k.head, k.job(job_id)],
+                [k.active, k.pending, k.wake, k.head, k.job(job_id), k.lanes, k.base],
                 [job_id, owner],
             ),
             "release",
@@ -200,7 +210,7 @@ class Scripts:
         return _outcome(
             self._run(
                 "bury",
-                [k.active, k.pending, k.dead, k.job(job_id), k.metrics("failed")],
+                [k.active, k.pending, k.dead, k.job(job_id), k.metrics("failed"), k.base],
                 [job_id, reason, error, now_ms],
             ),
             "bury",
@@ -208,7 +218,13 @@ class Scripts:
 
     def purge(self, k: QueueKeys, limit: int) -> int:
         """Delete up to ``limit`` pending jobs; return how many went."""
-        return int(self._run("purge", [k.pending, k.wake, k.job_prefix, k.seq, k.head], [limit]))
+        return int(
+            self._run(
+                "purge",
+                [k.pending, k.wake, k.seq, k.head, k.lanes, k.cursor, k.base],
+                [limit],
+            )
+        )
 
     def sweep(
         self,
@@ -223,7 +239,7 @@ class Scripts:
         """Count a stall on lapsed (or the named) active jobs; recover or dead-letter each."""
         reply = self._run(
             "sweep",
-            [k.active, k.pending, k.wake, k.head, k.dead, k.base],
+            [k.active, k.pending, k.wake, k.head, k.dead, k.lanes, k.base],
             [now_ms, limit, -1 if max_stalled is None else max_stalled, reason, owner, *job_ids],
         )
         if len(reply) % 4:
@@ -235,7 +251,9 @@ class Scripts:
 
     def reap(self, k: QueueKeys, now_ms: int, limit: int) -> list[str]:
         """Return lapsed jobs to the front of ``pending``, uncounted; return their ids."""
-        reply = self._run("reap", [k.active, k.pending, k.wake, k.head, k.base], [now_ms, limit])
+        reply = self._run(
+            "reap", [k.active, k.pending, k.wake, k.head, k.lanes, k.base], [now_ms, limit]
+        )
         return [_text(x) for x in reply]
 
     def trim(self, k: QueueKeys, now_ms: int, max_age_ms: int, max_size: int, limit: int) -> int:

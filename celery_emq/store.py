@@ -51,14 +51,23 @@ class JobStore:
         ttl_ms: int = 0,
         now_ms: int | None = None,
         max_stalled: int | Unset | None = UNSET,
+        group: str = "",
     ) -> Outcome:
         """Add a job to the queue; ``DUPLICATE`` when the id already exists.
 
         ``max_stalled`` gives this job its own stall budget (``None``: never
-        dead-letter); left unset, the sweep's default applies.
+        dead-letter); left unset, the sweep's default applies. A ``group``
+        puts the job in that group's fair lane.
         """
         return self.scripts.enqueue(
-            self.keys(queue), job_id, payload, priority, _now(now_ms), ttl_ms, max_stalled
+            self.keys(queue),
+            job_id,
+            payload,
+            priority,
+            _now(now_ms),
+            ttl_ms,
+            max_stalled,
+            group,
         )
 
     def claim(
@@ -186,21 +195,34 @@ class JobStore:
                 return total
 
     def size(self, queue: str) -> int:
-        """Return how many jobs are pending (what kombu calls the queue size)."""
-        return int(self.client.zcard(self.keys(queue).pending))
+        """Return how many jobs are pending, lanes included (kombu's queue size)."""
+        return self.counts(queue)["pending"]
+
+    def lanes(self, queue: str) -> dict[str, int]:
+        """Return each fair lane's pending count, by group."""
+        k = self.keys(queue)
+        groups = [_text(g) for g in self.client.zrange(k.lanes, 0, -1)]
+        if not groups:
+            return {}
+        with self.client.pipeline(transaction=False) as pipe:
+            for g in groups:
+                pipe.zcard(k.lane(g))
+            sizes = pipe.execute()
+        return {g: int(n) for g, n in zip(groups, sizes, strict=True) if n}
 
     def counts(self, queue: str) -> dict[str, int]:
-        """Return the number of pending, active and dead jobs of a queue."""
+        """Return the number of pending (lanes included), active and dead jobs."""
         k = self.keys(queue)
         with self.client.pipeline(transaction=False) as pipe:
-            pipe.zcard(k.pending).zcard(k.active).zcard(k.dead)
-            pending, active, dead = pipe.execute()
-        return {"pending": int(pending), "active": int(active), "dead": int(dead)}
+            pipe.zcard(k.pending).zcard(k.active).zcard(k.dead).exists(k.lanes)
+            pending, active, dead, has_lanes = pipe.execute()
+        lanes = sum(self.lanes(queue).values()) if has_lanes else 0
+        return {"pending": int(pending) + lanes, "active": int(active), "dead": int(dead)}
 
     def exists(self, queue: str) -> bool:
         """Return whether the queue holds any pending or active job."""
         k = self.keys(queue)
-        return bool(self.client.exists(k.pending, k.active))
+        return bool(self.client.exists(k.pending, k.active, k.lanes))
 
     def job(self, queue: str, job_id: str) -> dict[str, str]:
         """Return one job's row, decoded (empty when there is none)."""

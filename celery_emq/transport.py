@@ -37,6 +37,8 @@ STALLED_HEADER = "emq_stalled"
 DELIVERIES_HEADER = "emq_deliveries"
 #: Header (at publish) or task attribute giving a job its own stall budget.
 BUDGET_OPTION = "emq_max_stalled"
+#: Header (at publish) naming the fair-lane group a job waits in.
+GROUP_HEADER = "emq_group"
 
 
 class QoS(kombu_redis.QoS):
@@ -164,8 +166,11 @@ class Channel(kombu_redis.Channel):
             budget = _budget(headers[BUDGET_OPTION])
         if not ttl_ms:
             self._register(queue)
+        group = headers.get(GROUP_HEADER) or ""
+        if not isinstance(group, str):
+            group = str(group)
         outcome = self.store.enqueue(
-            queue, job_id, dumps(message), priority, ttl_ms, max_stalled=budget
+            queue, job_id, dumps(message), priority, ttl_ms, max_stalled=budget, group=group
         )
         if outcome is Outcome.DUPLICATE:
             logger.debug("celery_emq: job %s already in %s; publish ignored", job_id, queue)

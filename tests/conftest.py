@@ -64,8 +64,8 @@ def bulk_enqueue(store: JobStore, queue: str, n: int, now_ms: int = 1) -> list[s
     with store.client.pipeline() as pipe:
         for i in ids:
             script(
-                keys=[k.pending, k.wake, k.seq, k.job(i)],
-                args=[i, b"{}", queue, 0, now_ms, 0, ""],
+                keys=[k.pending, k.wake, k.seq, k.job(i), k.lanes, k.base],
+                args=[i, b"{}", queue, 0, now_ms, 0, "", ""],
                 client=pipe,
             )
         pipe.execute()

@@ -3,6 +3,8 @@
   KEYS[2] wake      <p>:{q}:wake (LIST, one marker per claimable job)
   KEYS[3] seq       <p>:{q}:seq (STRING, tail sequence)
   KEYS[4] job       <p>:{q}:job:<id> (HASH)
+  KEYS[5] lanes     <p>:{q}:lanes (ZSET of groups with a lane, score 0)
+  KEYS[6] base      <p>:{q}: (lane keys g:<group>:pending derive from it)
   ARGV[1] id        job id (the message's delivery tag)
   ARGV[2] payload   the kombu message, JSON
   ARGV[3] queue     queue name, stored on the row
@@ -10,12 +12,13 @@
   ARGV[5] now_ms
   ARGV[6] ttl_ms    > 0 when the queue expires (x-expires); 0 keeps the keys
   ARGV[7] max_stalled  this job's own stall budget ('' = the sweep's default, -1 = never)
+  ARGV[8] group     fair-lane group ('' = the queue's default lane, pending)
   Returns 0 OK, 3 DUPLICATE (a job with this id exists; nothing changed).
 ]]
-local pending, wake, seq, job = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local pending, wake, seq, job, lanes, base = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local id, payload, queue = ARGV[1], ARGV[2], ARGV[3]
 local priority, now_ms, ttl_ms = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
-local max_stalled = ARGV[7]
+local max_stalled, group = ARGV[7], ARGV[8]
 
 -- Priority bands are 2^40 wide: FIFO within a band by the tail sequence.
 local BAND = 1099511627776
@@ -29,12 +32,22 @@ redis.call('HSET', job, 'payload', payload, 'queue', queue, 'state', 'pending',
 if max_stalled ~= '' then
   redis.call('HSET', job, 'max_stalled', max_stalled)
 end
-redis.call('ZADD', pending, priority * BAND + n, id)
+local lane = pending
+if group ~= '' then
+  lane = base .. 'g:' .. group .. ':pending'
+  redis.call('HSET', job, 'group', group)
+  redis.call('ZADD', lanes, 0, group)
+end
+redis.call('ZADD', lane, priority * BAND + n, id)
 redis.call('LPUSH', wake, 1)
 if ttl_ms > 0 then
   redis.call('PEXPIRE', job, ttl_ms)
   redis.call('PEXPIRE', pending, ttl_ms)
   redis.call('PEXPIRE', wake, ttl_ms)
   redis.call('PEXPIRE', seq, ttl_ms)
+  if group ~= '' then
+    redis.call('PEXPIRE', lane, ttl_ms)
+    redis.call('PEXPIRE', lanes, ttl_ms)
+  end
 end
 return 0

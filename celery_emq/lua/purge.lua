@@ -1,23 +1,41 @@
---[[ purge: delete up to `limit` pending jobs of a queue (kombu queue_purge).
-  KEYS[1] pending   <p>:{q}:pending (ZSET)
+--[[ purge: delete up to `limit` pending jobs of a queue and its lanes (kombu queue_purge).
+  KEYS[1] pending   <p>:{q}:pending (ZSET, the default lane)
   KEYS[2] wake      <p>:{q}:wake (LIST)
-  KEYS[3] jobs      <p>:{q}:job: (prefix of job rows, same hash tag)
-  KEYS[4] seq       <p>:{q}:seq (STRING)
-  KEYS[5] head      <p>:{q}:head (STRING)
+  KEYS[3] seq       <p>:{q}:seq (STRING)
+  KEYS[4] head      <p>:{q}:head (STRING)
+  KEYS[5] lanes     <p>:{q}:lanes (ZSET of groups with a lane)
+  KEYS[6] cursor    <p>:{q}:cursor (STRING)
+  KEYS[7] base      <p>:{q}: (job rows and lane keys derive from it)
   ARGV[1] limit     most jobs to delete in this call
   Returns the number of jobs deleted; the caller repeats while it equals limit.
 ]]
-local pending, wake, jobs, seq, head = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local pending, wake, seq, head = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local lanes, cursor, base = KEYS[5], KEYS[6], KEYS[7]
 local limit = tonumber(ARGV[1])
 
-local popped = redis.call('ZPOPMIN', pending, limit)
 local n = 0
-for i = 1, #popped, 2 do
-  redis.call('DEL', jobs .. popped[i])
-  n = n + 1
+local function drain(lane)
+  local popped = redis.call('ZPOPMIN', lane, limit - n)
+  for i = 1, #popped, 2 do
+    redis.call('DEL', base .. 'job:' .. popped[i])
+    n = n + 1
+  end
 end
-if redis.call('ZCARD', pending) == 0 then
-  redis.call('DEL', wake, seq, head)
+
+drain(pending)
+while n < limit do
+  local group = redis.call('ZRANGE', lanes, 0, 0)[1]
+  if not group then
+    break
+  end
+  local lane = base .. 'g:' .. group .. ':pending'
+  drain(lane)
+  if redis.call('EXISTS', lane) == 0 then
+    redis.call('ZREM', lanes, group)
+  end
+end
+if redis.call('ZCARD', pending) == 0 and redis.call('EXISTS', lanes) == 0 then
+  redis.call('DEL', wake, seq, head, cursor)
 else
   redis.call('LTRIM', wake, 0, -(n + 1))
 end

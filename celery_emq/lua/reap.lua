@@ -1,15 +1,16 @@
---[[ reap: return every lapsed job to the front of pending, uncounted.
+--[[ reap: return every lapsed job to the front of its queue (or lane), uncounted.
   The at-least-once floor: no stall is counted, nothing is dead-lettered.
   KEYS[1] active    <p>:{q}:active (ZSET, score = lease deadline ms)
   KEYS[2] pending   <p>:{q}:pending (ZSET)
   KEYS[3] wake      <p>:{q}:wake (LIST)
   KEYS[4] head      <p>:{q}:head (STRING, head sequence)
-  KEYS[5] base      <p>:{q}: (job rows derive from it)
+  KEYS[5] lanes     <p>:{q}:lanes (ZSET of groups with a lane)
+  KEYS[6] base      <p>:{q}: (job rows and lane keys derive from it)
   ARGV[1] now_ms
   ARGV[2] limit     most jobs reaped by this call (1..1000)
   Returns the array of reaped ids.
 ]]
-local active, pending, wake, head, base = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local active, pending, wake, head, lanes, base = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local now_ms, limit = tonumber(ARGV[1]), tonumber(ARGV[2])
 
 local BAND = 1099511627776
@@ -19,10 +20,15 @@ local out = {}
 for _, id in ipairs(ids) do
   local job = base .. 'job:' .. id
   redis.call('ZREM', active, id)
-  local priority = redis.call('HGET', job, 'priority')
-  if priority then
+  local row = redis.call('HMGET', job, 'priority', 'group')
+  if row[1] then
     local n = redis.call('INCR', head)
-    redis.call('ZADD', pending, tonumber(priority) * BAND - n, id)
+    local lane = pending
+    if row[2] and row[2] ~= '' then
+      lane = base .. 'g:' .. row[2] .. ':pending'
+      redis.call('ZADD', lanes, 0, row[2])
+    end
+    redis.call('ZADD', lane, tonumber(row[1]) * BAND - n, id)
     redis.call('HSET', job, 'state', 'pending', 'owner', '', 'reason', 'lease_expired')
     redis.call('LPUSH', wake, 1)
     out[#out + 1] = id

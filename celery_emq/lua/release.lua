@@ -1,4 +1,4 @@
---[[ release: return a claimed job to the front of pending, uncounted.
+--[[ release: return a claimed job to the front of its queue (or lane), uncounted.
   Used for kombu requeue/reject(requeue=True) and for a warm shutdown's
   unstarted deliveries. A release is not a stall: `stalled` is unchanged.
   KEYS[1] active    <p>:{q}:active (ZSET)
@@ -6,11 +6,14 @@
   KEYS[3] wake      <p>:{q}:wake (LIST)
   KEYS[4] head      <p>:{q}:head (STRING, head sequence)
   KEYS[5] job       <p>:{q}:job:<id> (HASH)
+  KEYS[6] lanes     <p>:{q}:lanes (ZSET of groups with a lane)
+  KEYS[7] base      <p>:{q}: (lane keys derive from it)
   ARGV[1] id
   ARGV[2] owner     worker identity holding the lease
   Returns 0 OK, 1 NOT_FOUND (not active), 2 LEASE_LOST (active under another owner; untouched).
 ]]
 local active, pending, wake, head, job = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local lanes, base = KEYS[6], KEYS[7]
 local id, owner = ARGV[1], ARGV[2]
 
 local BAND = 1099511627776
@@ -18,13 +21,18 @@ local BAND = 1099511627776
 if not redis.call('ZSCORE', active, id) then
   return 1
 end
-local row = redis.call('HMGET', job, 'owner', 'priority')
+local row = redis.call('HMGET', job, 'owner', 'priority', 'group')
 if row[1] ~= owner then
   return 2
 end
 local n = redis.call('INCR', head)
 redis.call('ZREM', active, id)
-redis.call('ZADD', pending, tonumber(row[2] or '0') * BAND - n, id)
+local lane = pending
+if row[3] and row[3] ~= '' then
+  lane = base .. 'g:' .. row[3] .. ':pending'
+  redis.call('ZADD', lanes, 0, row[3])
+end
+redis.call('ZADD', lane, tonumber(row[2] or '0') * BAND - n, id)
 redis.call('HSET', job, 'state', 'pending', 'owner', '')
 redis.call('LPUSH', wake, 1)
 return 0

@@ -4,7 +4,8 @@
   KEYS[3] wake      <p>:{q}:wake (LIST)
   KEYS[4] head      <p>:{q}:head (STRING, head sequence)
   KEYS[5] dead      <p>:{q}:dead (ZSET, score = time of death ms)
-  KEYS[6] base      <p>:{q}: (job rows and metrics:<name> derive from it)
+  KEYS[6] lanes     <p>:{q}:lanes (ZSET of groups with a lane)
+  KEYS[7] base      <p>:{q}: (job rows, lane keys and metrics:<name> derive from it)
   ARGV[1] now_ms
   ARGV[2] limit       most jobs examined by this call (1..1000)
   ARGV[3] max_stalled stalls forgiven when the row names no budget; -1 never dead-letters
@@ -12,9 +13,11 @@
   ARGV[5] owner       with ids: only jobs leased to this owner are examined
   ARGV[6..] ids       optional: examine these active jobs instead of the lapsed ones
   Returns a flat array: id, outcome (recovered | dead), stalled, payload, ... per job.
-  Budget: stalled <= max_stalled recovers (to the front), stalled > max_stalled dead-letters.
+  Budget: stalled <= max_stalled recovers (to the front of its queue or lane),
+  stalled > max_stalled dead-letters.
 ]]
-local active, pending, wake, head, dead, base = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local active, pending, wake, head, dead = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local lanes, base = KEYS[6], KEYS[7]
 local now_ms, limit = tonumber(ARGV[1]), tonumber(ARGV[2])
 local default_budget, reason, owner = tonumber(ARGV[3]), ARGV[4], ARGV[5]
 
@@ -34,7 +37,8 @@ end
 local out = {}
 for _, id in ipairs(ids) do
   local job = base .. 'job:' .. id
-  local row = redis.call('HMGET', job, 'state', 'owner', 'priority', 'max_stalled', 'payload', 'history')
+  local row = redis.call('HMGET', job, 'state', 'owner', 'priority', 'max_stalled', 'payload',
+    'history', 'group')
   local examine = redis.call('ZSCORE', active, id) and (#ARGV < 6 or row[2] == owner)
   if examine and not row[1] then
     -- A lease without a row (an expiring queue timed out): drop the lease.
@@ -65,7 +69,12 @@ for _, id in ipairs(ids) do
       outcome = 'dead'
     else
       local n = redis.call('INCR', head)
-      redis.call('ZADD', pending, tonumber(row[3] or '0') * BAND - n, id)
+      local lane = pending
+      if row[7] and row[7] ~= '' then
+        lane = base .. 'g:' .. row[7] .. ':pending'
+        redis.call('ZADD', lanes, 0, row[7])
+      end
+      redis.call('ZADD', lane, tonumber(row[3] or '0') * BAND - n, id)
       redis.call('HSET', job, 'state', 'pending', 'owner', '', 'reason', reason,
         'history', cjson.encode(history))
       redis.call('LPUSH', wake, 1)
