@@ -18,13 +18,16 @@ from .errors import (
     ScriptContractError,
     StalledJobError,
 )
+from .morgue import DeadJob, Morgue
 from .options import EmqOptions
 
 __all__ = [
+    "DeadJob",
     "EmqError",
     "EmqOptions",
     "InvalidOptionError",
     "InvalidQueueNameError",
+    "Morgue",
     "ScriptContractError",
     "StalledJobError",
     "schedule_sweep",

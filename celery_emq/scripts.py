@@ -37,10 +37,14 @@ SCRIPT_NAMES: tuple[str, ...] = (
     "reap",
     "sweep",
     "trim",
+    "retry",
+    "purge_dead",
 )
 
 #: Most ids one ``extend`` call carries (the rest go in further calls).
 EXTEND_BATCH = 512
+#: Most ids one ``retry`` or ``purge_dead`` call carries.
+MORGUE_BATCH = 500
 
 
 class Outcome(enum.IntEnum):
@@ -259,3 +263,24 @@ class Scripts:
     def trim(self, k: QueueKeys, now_ms: int, max_age_ms: int, max_size: int, limit: int) -> int:
         """Delete dead jobs past the morgue's retention; return how many."""
         return int(self._run("trim", [k.dead, k.base], [now_ms, max_age_ms, max_size, limit]))
+
+    def retry(self, k: QueueKeys, now_ms: int, job_ids: Sequence[str]) -> list[str]:
+        """Move dead jobs back to the front of their queue or lane; return those moved."""
+        moved: list[str] = []
+        for start in range(0, len(job_ids), MORGUE_BATCH):
+            chunk = job_ids[start : start + MORGUE_BATCH]
+            reply = self._run(
+                "retry",
+                [k.dead, k.pending, k.wake, k.head, k.lanes, k.base],
+                [now_ms, *chunk],
+            )
+            moved.extend(_text(x) for x in reply)
+        return moved
+
+    def purge_dead(self, k: QueueKeys, job_ids: Sequence[str]) -> int:
+        """Delete dead jobs by id; return how many were deleted."""
+        n = 0
+        for start in range(0, len(job_ids), MORGUE_BATCH):
+            chunk = job_ids[start : start + MORGUE_BATCH]
+            n += int(self._run("purge_dead", [k.dead, k.base], list(chunk)))
+        return n

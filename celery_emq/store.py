@@ -162,6 +162,14 @@ class JobStore:
             if n < limit:
                 return total
 
+    def retry(self, queue: str, job_ids: Sequence[str], now_ms: int | None = None) -> list[str]:
+        """Bring dead jobs back to the front of their queue or lane, stall count reset."""
+        return self.scripts.retry(self.keys(queue), _now(now_ms), job_ids)
+
+    def purge_dead(self, queue: str, job_ids: Sequence[str]) -> int:
+        """Delete dead jobs by id; return how many went."""
+        return self.scripts.purge_dead(self.keys(queue), job_ids)
+
     def register(self, queue: str) -> None:
         """Record a queue in the registry the sweep and the CLI iterate."""
         self.client.sadd(self.registry_key, queue)
@@ -176,9 +184,9 @@ class JobStore:
         return f"{self.prefix}:queues"
 
     def metrics(self, queue: str) -> dict[str, int]:
-        """Return the queue's counters: completed, recovered, stalled, failed."""
+        """Return the queue's counters: completed, recovered, stalled, failed, retried."""
         k = self.keys(queue)
-        names = ("completed", "recovered", "stalled", "failed")
+        names = ("completed", "recovered", "stalled", "failed", "retried")
         with self.client.pipeline(transaction=False) as pipe:
             for name in names:
                 pipe.hget(k.metrics(name), "count")

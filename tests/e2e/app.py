@@ -129,6 +129,15 @@ def poison_forever(self: Any, tag: str) -> None:
     _kill_own_process(self, tag)
 
 
+@app.task(bind=True)
+def poison_until_cured(self: Any, tag: str) -> str:
+    """Kill the pool process every run until ``<prefix>cured:<tag>`` exists."""
+    if not rec().exists(PREFIX + "cured:" + tag):
+        _kill_own_process(self, tag)
+    note_run(tag)
+    return "cured"
+
+
 @job_dead_lettered.connect
 def _count_dead_letters(sender: Any, job: JobInfo, **kwargs: Any) -> None:
     rec().hincrby(PREFIX + "dead-signals", f"{job.task_name}:{job.task_id}:{job.reason}", 1)

@@ -50,6 +50,8 @@ CALLS = {
     "reap": lambda s, k: s.reap(k, 1, 10),
     "sweep": lambda s, k: s.sweep(k, 1, 10, 1, "lease_expired", "w", ["a", "b"]),
     "trim": lambda s, k: s.trim(k, 1, 1000, 10, 10),
+    "retry": lambda s, k: s.retry(k, 1, ["a", "b"]),
+    "purge_dead": lambda s, k: s.purge_dead(k, ["a", "b"]),
 }
 
 

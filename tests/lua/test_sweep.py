@@ -46,7 +46,13 @@ def test_first_stall_recovers_to_the_front_with_budget_1(
         "owner": "w1",
         "stalled": 1,
     }
-    assert store.metrics("q") == {"completed": 0, "recovered": 1, "stalled": 1, "failed": 0}
+    assert store.metrics("q") == {
+        "completed": 0,
+        "recovered": 1,
+        "stalled": 1,
+        "failed": 0,
+        "retried": 0,
+    }
 
 
 def test_second_stall_dead_letters_with_budget_1(store: JobStore, client: redis.Redis) -> None:

@@ -1,0 +1,393 @@
+"""``celery emq``: status, sweep, reap and the morgue, as a Celery subcommand.
+
+Registered through the ``celery.commands`` entry point (as ``celery flower``
+is), so it takes ``-A app`` and the app's broker settings::
+
+    celery -A proj emq status [--json]
+    celery -A proj emq sweep [--queue Q]... [--json]
+    celery -A proj emq reap [--queue Q]... [--json]
+    celery -A proj emq dead ls [--queue Q] [--task T] [--reason R] [--since S] [--until U]
+    celery -A proj emq dead show JOB_ID [--json]
+    celery -A proj emq dead retry (JOB_ID... | --all | filters) [--rate N]
+    celery -A proj emq dead purge (JOB_ID... | --all | filters | --older-than S)
+
+Human output is a table; ``--json`` output is stable for scripts. Errors are
+one line on stderr and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from typing import Any
+
+import click
+
+from . import clock
+from .errors import EmqError
+from .morgue import DeadJob, Morgue
+from .options import EmqOptions
+from .status import queue_status
+from .store import JobStore
+from .sweeper import Sweeper
+
+__all__ = ["emq"]
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _parse_time(value: str | None, option: str) -> int | None:
+    """Read a time option: a duration ago (``90s``, ``30m``, ``2h``, ``7d``) or ISO-8601."""
+    if value is None:
+        return None
+    m = _DURATION.match(value.strip())
+    if m:
+        return clock.now_ms() - int(float(m.group(1)) * _UNITS[m.group(2)] * 1000)
+    try:
+        when = datetime.fromisoformat(value)
+    except ValueError:
+        raise click.BadParameter(
+            "expected a duration ago (90s, 30m, 2h, 7d) or an ISO-8601 time", param_hint=option
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return int(when.timestamp() * 1000)
+
+
+def _when(ms: int) -> str:
+    if not ms:
+        return "-"
+    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _age(ms: int | None) -> str:
+    if ms is None:
+        return "-"
+    s = ms / 1000
+    if s < 120:
+        return f"{s:.1f}s"
+    if s < 7200:
+        return f"{s / 60:.1f}m"
+    return f"{s / 3600:.1f}h"
+
+
+def _table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
+    cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _emit(data: Any, as_json: bool, human: Callable[[], str]) -> None:
+    if as_json:
+        click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+    else:
+        click.echo(human())
+
+
+@contextmanager
+def _opened(ctx: click.Context) -> Iterator[tuple[JobStore, EmqOptions, Any]]:
+    app = ctx.obj.app
+    from .tasks import open_store
+
+    try:
+        with open_store(app) as (store, options):
+            yield store, options, app
+    except EmqError as exc:
+        raise click.ClickException(str(exc)) from None
+    except Exception as exc:
+        if type(exc).__module__.startswith(("redis", "kombu")):
+            raise click.ClickException(f"cannot reach the broker: {exc}") from None
+        raise
+
+
+@click.group(name="emq")
+@click.pass_context
+def emq(ctx: click.Context) -> None:
+    """celery_emq: queue status, recovery passes and the morgue."""
+    if ctx.obj is None or getattr(ctx.obj, "app", None) is None:
+        raise click.UsageError("run as `celery -A <app> emq ...`")
+
+
+@emq.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def status(ctx: click.Context, as_json: bool) -> None:
+    """Per queue: pending, active, delayed, dead, lanes, ages and counters."""
+    with _opened(ctx) as (store, _options, _app):
+        rows = [queue_status(store, q) for q in store.queues()]
+
+    def human() -> str:
+        if not rows:
+            return "no queues yet"
+        return _table(
+            [
+                (
+                    r["queue"],
+                    r["pending"],
+                    r["active"],
+                    r["delayed"],
+                    r["dead"],
+                    len(r["lanes"]),
+                    _age(r["oldest_lease_age_ms"]),
+                    _age(r["oldest_pending_age_ms"]),
+                    r["counters"]["completed"],
+                    r["counters"]["recovered"],
+                    r["counters"]["failed"],
+                )
+                for r in rows
+            ],
+            (
+                "queue",
+                "pending",
+                "active",
+                "delayed",
+                "dead",
+                "lanes",
+                "oldest lease",
+                "oldest pending",
+                "completed",
+                "recovered",
+                "dead-lettered",
+            ),
+        )
+
+    _emit({"queues": rows}, as_json, human)
+
+
+def _pass(ctx: click.Context, queues: Sequence[str], as_json: bool, reap: bool) -> None:
+    with _opened(ctx) as (store, options, app):
+        sweeper = Sweeper(store, options, app=app)
+        names = list(queues) or store.queues()
+        run = sweeper.reap if reap else sweeper.sweep
+        reports = [run(q).as_dict() for q in names]
+
+    def human() -> str:
+        if reap:
+            return _table([(r["queue"], len(r["reaped"])) for r in reports], ("queue", "reaped"))
+        return _table(
+            [(r["queue"], len(r["recovered"]), len(r["dead"]), r["trimmed"]) for r in reports],
+            ("queue", "recovered", "dead-lettered", "trimmed"),
+        )
+
+    _emit({"queues": reports}, as_json, human)
+
+
+@emq.command()
+@click.option("--queue", "queues", multiple=True, help="Only this queue (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def sweep(ctx: click.Context, queues: tuple[str, ...], as_json: bool) -> None:
+    """Run one sweep now: count stalls, recover or dead-letter lapsed jobs."""
+    _pass(ctx, queues, as_json, reap=False)
+
+
+@emq.command()
+@click.option("--queue", "queues", multiple=True, help="Only this queue (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def reap(ctx: click.Context, queues: tuple[str, ...], as_json: bool) -> None:
+    """Run one reap now: return every lapsed job to its queue, uncounted."""
+    _pass(ctx, queues, as_json, reap=True)
+
+
+@emq.group()
+def dead() -> None:
+    """The morgue: list, show, retry and purge dead-lettered jobs."""
+
+
+def _filters(f: Callable[..., Any]) -> Callable[..., Any]:
+    for opt in reversed(
+        [
+            click.option("--queue", help="Only this queue."),
+            click.option("--task", help="Only this task name."),
+            click.option("--reason", help="Only this reason (worker_lost, lease_expired, ...)."),
+            click.option("--since", help="Died at or after: 30m, 2h, 7d ago, or ISO-8601."),
+            click.option("--until", help="Died at or before: 30m, 2h, 7d ago, or ISO-8601."),
+        ]
+    ):
+        f = opt(f)
+    return f
+
+
+def _filter_args(
+    queue: str | None, task: str | None, reason: str | None, since: str | None, until: str | None
+) -> dict[str, Any]:
+    return {
+        "queue": queue,
+        "task": task,
+        "reason": reason,
+        "since_ms": _parse_time(since, "--since"),
+        "until_ms": _parse_time(until, "--until"),
+    }
+
+
+def _dead_rows(jobs: Sequence[DeadJob]) -> str:
+    if not jobs:
+        return "the morgue is empty (for these filters)"
+    return _table(
+        [
+            (
+                j.id,
+                j.queue,
+                j.task_name or "?",
+                j.task_id or "?",
+                j.reason,
+                j.stalled,
+                _when(j.died_ms),
+            )
+            for j in jobs
+        ],
+        ("job", "queue", "task", "task id", "reason", "stalls", "died (UTC)"),
+    )
+
+
+@dead.command("ls")
+@_filters
+@click.option("--limit", type=click.IntRange(min=1), help="At most this many.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def dead_ls(
+    ctx: click.Context,
+    queue: str | None,
+    task: str | None,
+    reason: str | None,
+    since: str | None,
+    until: str | None,
+    limit: int | None,
+    as_json: bool,
+) -> None:
+    """List dead jobs, oldest death first."""
+    args = _filter_args(queue, task, reason, since, until)
+    with _opened(ctx) as (store, _options, _app):
+        jobs = Morgue(store).ls(limit=limit, **args)
+    _emit({"jobs": [j.as_dict() for j in jobs]}, as_json, lambda: _dead_rows(jobs))
+
+
+@dead.command("show")
+@click.argument("job_id")
+@click.option("--queue", help="The job's queue (default: search every queue).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def dead_show(ctx: click.Context, job_id: str, queue: str | None, as_json: bool) -> None:
+    """Show one dead job: its task, error and the history of its stalls."""
+    with _opened(ctx) as (store, _options, _app):
+        job = Morgue(store).show(job_id, queue)
+    if job is None:
+        raise click.ClickException(f"no dead job {job_id!r}")
+
+    def human() -> str:
+        lines = [
+            f"job        {job.id}",
+            f"queue      {job.queue}",
+            f"task       {job.task_name} [{job.task_id}]",
+            f"args       {job.args!r}",
+            f"kwargs     {job.kwargs!r}",
+            f"group      {job.group or '-'}",
+            f"reason     {job.reason} ({job.last_error})",
+            f"error      {job.error}",
+            f"stalls     {job.stalled}   deliveries {job.deliveries}",
+            f"died       {_when(job.died_ms)} UTC",
+            "history:",
+        ]
+        lines += [
+            f"  {_when(h.get('at', 0))}  stall {h.get('stalled')}  {h.get('reason')}  "
+            f"owner {h.get('owner') or '-'}"
+            for h in job.history
+        ] or ["  (none)"]
+        if job.decode_error:
+            lines.append(f"decode error: {job.decode_error}")
+        return "\n".join(lines)
+
+    _emit(job.as_dict(), as_json, human)
+
+
+def _selection(job_ids: Sequence[str], all_: bool, filters: dict[str, Any]) -> None:
+    chosen = any(v is not None for v in filters.values())
+    if not job_ids and not all_ and not chosen:
+        raise click.ClickException("name job ids, or pass --all or a filter")
+    if job_ids and (all_ or chosen):
+        raise click.ClickException("give job ids or --all/filters, not both")
+
+
+@dead.command("retry")
+@click.argument("job_ids", nargs=-1)
+@click.option("--all", "all_", is_flag=True, help="Every dead job (of --queue, if given).")
+@_filters
+@click.option(
+    "--rate",
+    type=click.FloatRange(min=0, min_open=True),
+    default=500.0,
+    show_default=True,
+    help="Most jobs retried a second.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def dead_retry(
+    ctx: click.Context,
+    job_ids: tuple[str, ...],
+    all_: bool,
+    queue: str | None,
+    task: str | None,
+    reason: str | None,
+    since: str | None,
+    until: str | None,
+    rate: float,
+    as_json: bool,
+) -> None:
+    """Retry dead jobs: back to the front of their queue or lane, stall count reset."""
+    args = _filter_args(None if job_ids else queue, task, reason, since, until)
+    _selection(job_ids, all_, {k: v for k, v in args.items() if k != "queue"} if all_ else args)
+    with _opened(ctx) as (store, _options, _app):
+        morgue = Morgue(store)
+        if job_ids:
+            retried = morgue.retry(job_ids, rate_per_s=rate, queue=queue)
+        else:
+            retried = morgue.retry(rate_per_s=rate, **args)
+    missing = sorted(set(job_ids) - set(retried))
+    _emit(
+        {"retried": retried, "missing": missing},
+        as_json,
+        lambda: (
+            f"retried {len(retried)} job(s)"
+            + (f"; not in the morgue: {', '.join(missing)}" if missing else "")
+        ),
+    )
+    if missing:
+        sys.exit(1)
+
+
+@dead.command("purge")
+@click.argument("job_ids", nargs=-1)
+@click.option("--all", "all_", is_flag=True, help="Every dead job (of --queue, if given).")
+@_filters
+@click.option("--older-than", type=str, help="Only jobs that died longer ago: 90s, 30m, 2h, 7d.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def dead_purge(
+    ctx: click.Context,
+    job_ids: tuple[str, ...],
+    all_: bool,
+    queue: str | None,
+    task: str | None,
+    reason: str | None,
+    since: str | None,
+    until: str | None,
+    older_than: str | None,
+    as_json: bool,
+) -> None:
+    """Delete dead jobs for good."""
+    args = _filter_args(None if job_ids else queue, task, reason, since, until)
+    if older_than is not None:
+        args["until_ms"] = _parse_time(older_than, "--older-than")
+    _selection(job_ids, all_, {k: v for k, v in args.items() if k != "queue"} if all_ else args)
+    with _opened(ctx) as (store, _options, _app):
+        morgue = Morgue(store)
+        n = morgue.purge(job_ids, queue=queue) if job_ids else morgue.purge(**args)
+    _emit({"purged": n}, as_json, lambda: f"purged {n} job(s)")

@@ -1,0 +1,38 @@
+--[[ retry: bring dead jobs back from the morgue to the front of their queue or lane.
+  The stall count is reset; the history of stalls is kept.
+  KEYS[1] dead      <p>:{q}:dead (ZSET)
+  KEYS[2] pending   <p>:{q}:pending (ZSET, the default lane)
+  KEYS[3] wake      <p>:{q}:wake (LIST)
+  KEYS[4] head      <p>:{q}:head (STRING, head sequence)
+  KEYS[5] lanes     <p>:{q}:lanes (ZSET of groups with a lane)
+  KEYS[6] base      <p>:{q}: (job rows, lane keys and metrics:<name> derive from it)
+  ARGV[1] now_ms
+  ARGV[2..] ids     dead job ids to retry (the caller sends at most 500)
+  Returns the array of ids that were dead and are pending again.
+]]
+local dead, pending, wake, head, lanes, base = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local now_ms = ARGV[1]
+
+local BAND = 1099511627776
+
+local out = {}
+for i = 2, #ARGV do
+  local id = ARGV[i]
+  local job = base .. 'job:' .. id
+  local row = redis.call('HMGET', job, 'state', 'priority', 'group')
+  if row[1] == 'dead' and redis.call('ZREM', dead, id) == 1 then
+    local n = redis.call('INCR', head)
+    local lane = pending
+    if row[3] and row[3] ~= '' then
+      lane = base .. 'g:' .. row[3] .. ':pending'
+      redis.call('ZADD', lanes, 0, row[3])
+    end
+    redis.call('ZADD', lane, tonumber(row[2] or '0') * BAND - n, id)
+    redis.call('HSET', job, 'state', 'pending', 'stalled', 0, 'owner', '', 'retried_ms', now_ms)
+    redis.call('HDEL', job, 'died_ms')
+    redis.call('LPUSH', wake, 1)
+    redis.call('HINCRBY', base .. 'metrics:retried', 'count', 1)
+    out[#out + 1] = id
+  end
+end
+return out

@@ -1,0 +1,245 @@
+"""The morgue: list, show, retry and purge dead-lettered jobs.
+
+The CLI's ``celery emq dead ...`` commands are a thin layer over :class:`Morgue`::
+
+    from celery_emq import Morgue
+
+    morgue = Morgue.from_app(app)
+    for job in morgue.ls(task="proj.tasks.resize", reason="worker_lost"):
+        print(job.id, job.task_name, job.died_ms)
+    morgue.retry(task="proj.tasks.resize")          # back to the front of their queues
+    morgue.purge(older_than_s=7 * 86400)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import clock
+from .jobs import describe
+from .store import JobStore
+
+__all__ = ["DeadJob", "Morgue"]
+
+#: Rows read per round trip while listing.
+PAGE = 500
+
+
+@dataclass(frozen=True)
+class DeadJob:
+    """One job in a morgue, with what is known of its task and its death."""
+
+    id: str
+    queue: str
+    task_name: str | None
+    task_id: str | None
+    args: Any
+    kwargs: Any
+    group: str | None
+    stalled: int
+    reason: str
+    last_error: str
+    error: str
+    died_ms: int
+    deliveries: int
+    history: list[dict[str, Any]] = field(default_factory=list)
+    decode_error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return the fields as a JSON-friendly dict (the CLI's ``--json`` form)."""
+        return {
+            "id": self.id,
+            "queue": self.queue,
+            "task_name": self.task_name,
+            "task_id": self.task_id,
+            "args": self.args,
+            "kwargs": self.kwargs,
+            "group": self.group,
+            "stalled": self.stalled,
+            "reason": self.reason,
+            "last_error": self.last_error,
+            "error": self.error,
+            "died_ms": self.died_ms,
+            "deliveries": self.deliveries,
+            "history": self.history,
+            "decode_error": self.decode_error,
+        }
+
+
+class Morgue:
+    """The dead-lettered jobs of every registered queue of one store.
+
+    Args:
+        store: the job store.
+    """
+
+    def __init__(self, store: JobStore) -> None:
+        self.store = store
+
+    @classmethod
+    @contextmanager
+    def from_app(cls, app: Any) -> Iterator[Morgue]:
+        """Open the Celery app's broker and yield its morgue (a context manager)."""
+        from .tasks import open_store
+
+        with open_store(app) as (store, _options):
+            yield cls(store)
+
+    def queues(self, queue: str | None = None) -> list[str]:
+        """Return the queues to look at: ``[queue]`` or every registered one."""
+        return [queue] if queue else self.store.queues()
+
+    def ls(
+        self,
+        queue: str | None = None,
+        task: str | None = None,
+        reason: str | None = None,
+        since_ms: int | None = None,
+        until_ms: int | None = None,
+        limit: int | None = None,
+    ) -> list[DeadJob]:
+        """List dead jobs, oldest death first, matching every filter given.
+
+        Args:
+            queue: only this queue.
+            task: only this task name.
+            reason: only this reason (``worker_lost``, ``lease_expired``,
+                ``malformed``, ``rejected``...), or ``last_error`` (``stalled``).
+            since_ms: died at or after this time (ms since the epoch).
+            until_ms: died at or before this time.
+            limit: at most this many.
+        """
+        found: list[DeadJob] = []
+        for q in self.queues(queue):
+            for job in self._scan(q, since_ms, until_ms):
+                if task is not None and job.task_name != task:
+                    continue
+                if reason is not None and reason not in (job.reason, job.last_error):
+                    continue
+                found.append(job)
+        found.sort(key=lambda j: j.died_ms)
+        return found[:limit] if limit is not None else found
+
+    def show(self, job_id: str, queue: str | None = None) -> DeadJob | None:
+        """Return one dead job (searched in every queue unless ``queue`` is given)."""
+        for q in self.queues(queue):
+            if self.store.client.zscore(self.store.keys(q).dead, job_id) is not None:
+                return self._read(q, [job_id])[0]
+        return None
+
+    def retry(
+        self,
+        job_ids: Sequence[str] = (),
+        rate_per_s: float | None = 500.0,
+        **filters: Any,
+    ) -> list[str]:
+        """Retry dead jobs: by id, or every job matching ``filters`` (see :meth:`ls`).
+
+        Each goes back to the front of its queue or lane with its stall count
+        reset. A large replay is paced at ``rate_per_s`` jobs a second (``None``:
+        as fast as possible). Returns the ids retried.
+        """
+        retried: list[str] = []
+        for queue, ids in self._targets(job_ids, filters).items():
+            for start in range(0, len(ids), 100):
+                chunk = ids[start : start + 100]
+                t0 = time.monotonic()
+                retried += self.store.retry(queue, chunk)
+                if rate_per_s:
+                    pause = len(chunk) / rate_per_s - (time.monotonic() - t0)
+                    if pause > 0 and start + 100 < len(ids):
+                        time.sleep(pause)
+        return retried
+
+    def purge(
+        self,
+        job_ids: Sequence[str] = (),
+        older_than_s: float | None = None,
+        **filters: Any,
+    ) -> int:
+        """Delete dead jobs: by id, or every job matching ``filters`` (see :meth:`ls`).
+
+        ``older_than_s`` keeps jobs that died more recently than that. Returns
+        how many were deleted.
+        """
+        if older_than_s is not None:
+            filters["until_ms"] = clock.now_ms() - int(older_than_s * 1000)
+        return sum(
+            self.store.purge_dead(queue, ids)
+            for queue, ids in self._targets(job_ids, filters).items()
+        )
+
+    def _targets(self, job_ids: Sequence[str], filters: dict[str, Any]) -> dict[str, list[str]]:
+        targets: dict[str, list[str]] = {}
+        if job_ids:
+            for job_id in job_ids:
+                job = self.show(job_id, filters.get("queue"))
+                if job is not None:
+                    targets.setdefault(job.queue, []).append(job.id)
+            return targets
+        for job in self.ls(**filters):
+            targets.setdefault(job.queue, []).append(job.id)
+        return targets
+
+    def _scan(self, queue: str, since_ms: int | None, until_ms: int | None) -> Iterator[DeadJob]:
+        key = self.store.keys(queue).dead
+        low = "-inf" if since_ms is None else since_ms
+        high = "+inf" if until_ms is None else until_ms
+        offset = 0
+        while True:
+            ids = self.store.client.zrange(key, low, high, byscore=True, offset=offset, num=PAGE)
+            if not ids:
+                return
+            yield from self._read(queue, [i.decode() for i in ids])
+            if len(ids) < PAGE:
+                return
+            offset += PAGE
+
+    def _read(self, queue: str, ids: list[str]) -> list[DeadJob]:
+        k = self.store.keys(queue)
+        fields = (
+            "payload",
+            "stalled",
+            "reason",
+            "last_error",
+            "error",
+            "died_ms",
+            "deliveries",
+            "history",
+        )
+        with self.store.client.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.hmget(k.job(job_id), fields)
+            rows = pipe.execute()
+        jobs = []
+        for job_id, row in zip(ids, rows, strict=True):
+            text = {
+                f: (v.decode() if isinstance(v, bytes) else v)
+                for f, v in zip(fields, row, strict=True)
+            }
+            info = describe(text["payload"] or "", queue, job_id)
+            jobs.append(
+                DeadJob(
+                    id=job_id,
+                    queue=queue,
+                    task_name=info.task_name,
+                    task_id=info.task_id,
+                    args=info.args,
+                    kwargs=info.kwargs,
+                    group=info.group,
+                    stalled=int(text["stalled"] or 0),
+                    reason=text["reason"] or text["last_error"] or "",
+                    last_error=text["last_error"] or "",
+                    error=text["error"] or "",
+                    died_ms=int(text["died_ms"] or 0),
+                    deliveries=int(text["deliveries"] or 0),
+                    history=json.loads(text["history"]) if text["history"] else [],
+                    decode_error=info.decode_error,
+                )
+            )
+        return jobs

@@ -1,0 +1,128 @@
+"""The Morgue API over real dead-lettered Celery messages."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_emq import Morgue
+from celery_emq.store import JobStore
+
+
+@pytest.fixture
+def app(redis_url: str, prefix: str) -> Iterator[Celery]:
+    a = Celery("morguetest", set_as_current=False)
+    a.conf.update(
+        broker_url=redis_url.replace("redis://", "emq://", 1),
+        broker_transport_options={"global_keyprefix": prefix},
+    )
+    yield a
+    a.close()
+
+
+@pytest.fixture
+def store(client: redis.Redis, prefix: str) -> JobStore:
+    return JobStore(client, prefix + "emq", 5000)
+
+
+def kill(
+    app: Celery,
+    store: JobStore,
+    task: str,
+    queue: str = "celery",
+    when_ms: int = 10_000,
+    **options: Any,
+) -> str:
+    """Publish ``task``, claim it, and let a sweep dead-letter it at ``when_ms``."""
+    app.send_task(task, args=(1,), queue=queue, **options)
+    [job] = store.claim(queue, "w", now_ms=when_ms - 6000)
+    store.register(queue)
+    [swept] = store.sweep(queue, max_stalled=0, now_ms=when_ms)
+    assert swept.outcome == "dead"
+    return job.id
+
+
+def test_ls_filters_and_orders_by_death(app: Celery, store: JobStore) -> None:
+    a = kill(app, store, "proj.a", when_ms=10_000)
+    b = kill(app, store, "proj.b", when_ms=20_000)
+    c = kill(app, store, "proj.a", queue="other", when_ms=30_000)
+    store.enqueue("celery", "bad", b"{not json")
+    store.bury("celery", "bad", "malformed", "JSONDecodeError", now_ms=40_000)
+    morgue = Morgue(store)
+    assert [j.id for j in morgue.ls()] == [a, b, c, "bad"]
+    assert [j.id for j in morgue.ls(task="proj.a")] == [a, c]
+    assert [j.id for j in morgue.ls(queue="other")] == [c]
+    assert [j.id for j in morgue.ls(reason="malformed")] == ["bad"]
+    assert [j.id for j in morgue.ls(reason="stalled")] == [a, b, c]
+    assert [j.id for j in morgue.ls(since_ms=15_000, until_ms=30_000)] == [b, c]
+    assert [j.id for j in morgue.ls(limit=2)] == [a, b]
+    [bad] = morgue.ls(reason="malformed")
+    assert bad.task_name is None and bad.decode_error
+
+
+def test_show_has_the_task_and_history(app: Celery, store: JobStore) -> None:
+    a = kill(app, store, "proj.a")
+    job = Morgue(store).show(a)
+    assert job is not None
+    assert (job.task_name, job.args, job.kwargs, job.queue) == ("proj.a", [1], {}, "celery")
+    assert (job.stalled, job.reason, job.last_error, job.died_ms) == (
+        1,
+        "lease_expired",
+        "stalled",
+        10_000,
+    )
+    assert [h["reason"] for h in job.history] == ["lease_expired"]
+    assert Morgue(store).show("nope") is None
+
+
+def test_retry_by_id_resets_stalls_and_goes_to_the_front(
+    app: Celery, store: JobStore, client: redis.Redis
+) -> None:
+    a = kill(app, store, "proj.a")
+    app.send_task("proj.waiting", args=(2,))
+    assert Morgue(store).retry([a]) == [a]
+    k = store.keys("celery")
+    assert client.zrange(k.pending, 0, 0) == [a.encode()]
+    row = store.job("celery", a)
+    assert (row["state"], row["stalled"]) == ("pending", "0")
+    assert client.zcard(k.dead) == 0
+    [again] = store.claim("celery", "w", now_ms=99_000)
+    assert again.id == a and again.stalled == 0
+    assert store.metrics("celery")["retried"] == 1
+
+
+def test_retry_of_a_grouped_job_returns_it_to_its_lane(
+    app: Celery, store: JobStore, client: redis.Redis
+) -> None:
+    a = kill(app, store, "proj.a", headers={"emq_group": "t1"})
+    assert Morgue(store).retry([a]) == [a]
+    assert client.zrange(store.keys("celery").lane("t1"), 0, -1) == [a.encode()]
+
+
+def test_retry_by_filter_is_paced(
+    app: Celery, store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = [kill(app, store, "proj.a") for _ in range(250)]
+    kill(app, store, "proj.b")
+    pauses: list[float] = []
+    monkeypatch.setattr("celery_emq.morgue.time.sleep", pauses.append)
+    retried = Morgue(store).retry(task="proj.a", rate_per_s=100)
+    assert sorted(retried) == sorted(ids)
+    assert len(pauses) == 2 and all(0.5 < p <= 1.0 for p in pauses)
+    assert [j.task_name for j in Morgue(store).ls()] == ["proj.b"]
+
+
+def test_purge_by_id_filter_and_age(app: Celery, store: JobStore, client: redis.Redis) -> None:
+    a = kill(app, store, "proj.a", when_ms=10_000)
+    kill(app, store, "proj.b", when_ms=20_000)
+    kill(app, store, "proj.c", when_ms=30_000)
+    morgue = Morgue(store)
+    assert morgue.purge([a]) == 1
+    assert not client.exists(store.keys("celery").job(a))
+    assert morgue.purge(task="proj.c") == 1
+    assert morgue.purge(until_ms=25_000) == 1
+    assert morgue.ls() == []
