@@ -45,6 +45,8 @@ __version__ = "0.1.0"
 
 _TRANSPORT = "celery_emq.transport:Transport"
 
+# Registering the URL schemes is the one thing importing this package does:
+# with kombu always, and with Flower's broker client when Flower is loaded.
 for _scheme in ("emq", "emqs"):
     _existing = TRANSPORT_ALIASES.setdefault(_scheme, _TRANSPORT)
     if _existing != _TRANSPORT:
@@ -53,3 +55,7 @@ for _scheme in ("emq", "emqs"):
             f"celery_emq left it as it is (use broker_transport={_TRANSPORT!r})",
             stacklevel=2,
         )
+
+from .flower import register_if_loaded as _register_with_flower  # noqa: E402
+
+_register_with_flower()

@@ -1,0 +1,111 @@
+"""Flower support: teach Flower's broker client the ``emq://`` and ``emqs://`` schemes.
+
+Flower picks its broker client by URL scheme. :func:`register` adds ours, whose
+queue lengths come from the job store: ``messages_ready`` is what is pending
+(lanes included), ``messages_unacknowledged`` what is leased, ``messages`` both,
+and ``messages_dead`` (API only) what is in the morgue.
+
+``import celery_emq`` calls :func:`register` when Flower is already loaded, which
+is the case under ``celery -A app flower``; call it yourself if you start Flower
+some other way before importing your app.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+from urllib.parse import urlparse
+
+from .keys import QueueKeys
+from .options import EmqOptions
+
+__all__ = ["register"]
+
+
+def register() -> bool:
+    """Add the emq schemes to Flower's broker factory; return whether Flower is there."""
+    try:
+        from flower.utils import broker as fb
+    except ImportError:
+        return False
+    if getattr(fb.Broker, "_emq_registered", False):
+        return True
+
+    class EmqQueues:
+        """Queue lengths read from the job store (mixed into Flower's Redis clients)."""
+
+        redis: Any
+        key_prefix: str
+
+        def _emq_init(self, kwargs: dict[str, Any]) -> None:
+            options = EmqOptions.from_transport_options(kwargs.get("broker_options") or {})
+            self.key_prefix = options.key_prefix
+
+        async def queues(self, names: list[str]) -> list[dict[str, Any]]:
+            names = list(names)
+            keys = [QueueKeys(self.key_prefix, n) for n in names]
+            try:
+                async with self.redis.pipeline() as pipe:
+                    for k in keys:
+                        pipe.zcard(k.pending).zcard(k.active).zcard(k.dead)
+                        pipe.zrange(k.lanes, 0, -1)
+                    replies = await pipe.execute()
+                lanes = [
+                    [g.decode() if isinstance(g, bytes) else g for g in replies[i * 4 + 3]]
+                    for i in range(len(names))
+                ]
+                async with self.redis.pipeline() as pipe:
+                    for k, groups in zip(keys, lanes, strict=True):
+                        for g in groups:
+                            pipe.zcard(k.lane(g))
+                    lane_sizes = iter(await pipe.execute())
+                out = []
+                for i, name in enumerate(names):
+                    pending, active, dead = replies[i * 4 : i * 4 + 3]
+                    pending += sum(next(lane_sizes) for _ in lanes[i])
+                    out.append(
+                        {
+                            "name": name,
+                            "messages": pending + active,
+                            "messages_ready": pending,
+                            "messages_unacknowledged": active,
+                            "messages_dead": dead,
+                        }
+                    )
+                return out
+            finally:
+                await self.redis.aclose()
+
+    class EmqBroker(EmqQueues, fb.Redis):  # type: ignore[misc]
+        """Flower's client for ``emq://``."""
+
+        def __init__(self, broker_url: str, *args: Any, **kwargs: Any) -> None:
+            super().__init__(broker_url, *args, **kwargs)
+            self._emq_init(kwargs)
+
+    class EmqsBroker(EmqQueues, fb.RedisSsl):  # type: ignore[misc]
+        """Flower's client for ``emqs://`` (TLS; ``broker_use_ssl`` applies)."""
+
+        def __init__(self, broker_url: str, *args: Any, **kwargs: Any) -> None:
+            super().__init__(broker_url, *args, **kwargs)
+            self._emq_init(kwargs)
+
+    original = fb.Broker.__new__
+
+    def __new__(cls: type, broker_url: str, *args: Any, **kwargs: Any) -> Any:
+        scheme = urlparse(broker_url).scheme
+        if scheme == "emqs" or (scheme == "emq" and kwargs.get("broker_use_ssl")):
+            return EmqsBroker(broker_url, *args, **kwargs)
+        if scheme == "emq":
+            return EmqBroker(broker_url, *args, **kwargs)
+        return original(cls, broker_url, *args, **kwargs)
+
+    fb.Broker.__new__ = __new__
+    fb.Broker._emq_registered = True
+    return True
+
+
+def register_if_loaded() -> None:
+    """Register with Flower only if Flower is already imported (no import of our own)."""
+    if "flower.utils.broker" in sys.modules:
+        register()
