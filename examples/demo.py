@@ -1,28 +1,35 @@
 """The celery_emq demo: real workers on an ``emq://`` broker, narrated.
 
-Run it with ``scripts/demo`` (which sets up Redis and the venv). It ends with a
-summary table and exits non-zero if anything it shows did not happen.
+Run it with ``scripts/demo`` (which sets up the venv and a Redis). It shows tasks
+flowing, a SIGKILLed worker's task recovered by the sweep, a poison task
+dead-lettered after its budget with the failure handler firing, the morgue
+listed and one job replayed with ``celery emq``, and a task running four times
+longer than its lease exactly once. It ends with a summary table and exits
+non-zero if any of it did not happen.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import redis
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+os.environ.setdefault("EMQ_DEMO_REDIS_URL", "redis://127.0.0.1:6379/13")
 
+from celery_emq import StalledJobError  # noqa: E402
 from celery_emq.store import JobStore  # noqa: E402
+from examples._support import clean, running, wait_for, worker  # noqa: E402
 from examples.demo_app import LEASE_MS, PREFIX, REDIS_URL, app  # noqa: E402
 
 results: list[tuple[str, bool, str]] = []
+client = redis.Redis.from_url(REDIS_URL)
+store = JobStore(client, PREFIX + "emq", LEASE_MS)
 
 
 def say(text: str) -> None:
@@ -31,127 +38,127 @@ def say(text: str) -> None:
 
 def check(name: str, ok: bool, detail: str) -> None:
     results.append((name, ok, detail))
-    say(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}")
+    say(f"  {'ok  ' if ok else 'FAIL'} {name}: {detail}")
 
 
-def wait_for(cond: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return False
+def runs(tag: str) -> list[tuple[float, str]]:
+    out = []
+    for raw in client.lrange(f"{PREFIX}runs:{tag}", 0, -1):
+        at, host = raw.decode().split(" ", 1)
+        out.append((float(at), host))
+    return out
 
 
-def clean(client: redis.Redis) -> None:
-    keys = list(client.scan_iter(match=PREFIX + "*", count=1000))
-    for i in range(0, len(keys), 500):
-        client.delete(*keys[i : i + 500])
-
-
-def start_worker(name: str, log: Path) -> subprocess.Popen[bytes]:
-    fh = open(log, "wb")
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "examples.demo_app",
-            "worker",
-            "-c",
-            "2",
-            "-n",
-            f"{name}@%h",
-            "--without-mingle",
-            "--without-gossip",
-            "-l",
-            "info",
-        ],
+def cli(*args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "examples.demo_app", "emq", *args],
         cwd=ROOT,
-        stdout=fh,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
+    print("\n".join(f"    | {line}" for line in done.stdout.rstrip().splitlines()), flush=True)
+    if done.returncode:
+        raise SystemExit(f"celery emq {' '.join(args)} failed: {done.stderr.strip()}")
+    return done.stdout
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+def main() -> None:
+    clean(PREFIX)
+    t_start = time.monotonic()
+    say(
+        f"broker {app.conf.broker_url} (key prefix {PREFIX!r}), lease {LEASE_MS} ms, "
+        "max_stalled 1, sweep every 1 s"
+    )
+    w1 = worker("examples.demo_app", "demo1", "-c", "2")
+    w2 = worker("examples.demo_app", "demo2", "-c", "2")
+    workers = {"demo1": w1, "demo2": w2}
+    with running(w1, w2):
+        long_task = app.send_task("examples.demo_app.slow", args=(LEASE_MS * 4 / 1000, "long"))
 
-
-def main() -> int:
-    client = redis.Redis.from_url(REDIS_URL)
-    clean(client)
-    store = JobStore(client, PREFIX + "emq", LEASE_MS)
-    logdir = ROOT / ".emq"
-    logdir.mkdir(exist_ok=True)
-    say(f"broker {app.conf.broker_url} (key prefix {PREFIX!r}), lease {LEASE_MS} ms")
-    worker = start_worker("demo1", logdir / "demo-worker1.log")
-    try:
-        ready = wait_for(lambda: bool(app.control.ping(timeout=0.5)), 30)
-        check("worker starts", ready, "celery@demo1 answers ping" if ready else "no answer")
-        if not ready:
-            return 1
-
-        say("1. tasks flow: 500 additions through a prefork worker")
+        say("1. tasks flow: 300 additions across two prefork workers")
         t = time.perf_counter()
-        res = [app.send_task("examples.demo_app.add", args=(i, i)) for i in range(500)]
+        res = [app.send_task("examples.demo_app.add", args=(i, i)) for i in range(300)]
         total = sum(r.get(timeout=60) for r in res)
         took = time.perf_counter() - t
         check(
             "tasks flow",
-            total == 2 * sum(range(500)),
-            f"500 results in {took:.2f} s ({500 / took:.0f}/s)",
+            total == 2 * sum(range(300)),
+            f"300 results in {took:.2f} s ({300 / took:.0f}/s)",
         )
 
-        say(f"2. a 4x-lease task: slow({LEASE_MS * 4 / 1000:g}) under a {LEASE_MS} ms lease")
-        slow = app.send_task("examples.demo_app.slow", args=(LEASE_MS * 4 / 1000,))
-        k = store.keys("celery")
-        deadlines: list[float] = []
-        while not slow.ready():
-            for _, score in client.zrange(k.active, 0, -1, withscores=True):
-                deadlines.append(score)
-            time.sleep(1)
-        renewed = len(set(deadlines))
-        runs = int(client.hget(PREFIX + "runs", "slow") or 0)
+        say("2. a worker is SIGKILLed mid-task; the sweep recovers its task")
+        victim = app.send_task("examples.demo_app.slow", args=(2, "victim"))
+        first = wait_for(lambda: runs("victim"), 15)
+        host = first[0][1].split("@")[0] if first else "demo1"
+        killed_at = time.time()
+        workers[host].kill()
+        say(f"   SIGKILL {host} at its task's first second")
+        again = wait_for(lambda: len(runs("victim")) >= 2 and runs("victim"), 30)
+        took_s = again[1][0] - killed_at if again else float("nan")
+        done = victim.get(timeout=30) == 2 if again else False
         check(
-            "lease renewed while running", renewed >= 3, f"lease deadline moved {renewed - 1} times"
+            "killed worker's task recovered",
+            bool(again) and done,
+            f"restarted on {again[1][1] if again else '-'} {took_s:.1f} s after the kill"
+            f" (lease {LEASE_MS / 1000:g} s + sweep)",
         )
-        check("long task ran once", runs == 1 and slow.get() > 0, f"runs={runs}")
 
-        say("3. warm shutdown releases unstarted deliveries at once")
-        for _ in range(6):
-            app.send_task("examples.demo_app.slow", args=(1,))
-        wait_for(lambda: store.counts("celery")["active"] >= 4, 10)
-        stop(worker)
-        counts = store.counts("celery")
+        say("3. a poison task kills its process every run: max_stalled=1 allows one recovery")
+        poison = app.send_task("examples.demo_app.crash", args=("poison",))
+        try:
+            poison.get(timeout=60)
+            raised = ""
+        except StalledJobError as exc:
+            raised = type(exc).__name__
+        alerts = wait_for(lambda: client.lrange(f"{PREFIX}alerts", 0, -1), 10) or []
         check(
-            "released on shutdown",
-            counts["active"] == 0 and counts["pending"] > 0,
-            f"after exit: {counts}",
+            "poison dead-lettered",
+            raised == "StalledJobError" and len(runs("poison")) == 2,
+            f"ran {len(runs('poison'))} times, AsyncResult.get() raised {raised or 'nothing'}",
         )
-        worker = start_worker("demo2", logdir / "demo-worker2.log")
-        drained = wait_for(
-            lambda: store.counts("celery") == {"pending": 0, "active": 0, "dead": 0}, 30
+        check(
+            "failure handler fired once",
+            len(alerts) == 1,
+            alerts[0].decode() if alerts else "no alert",
         )
-        check("next worker runs them", drained, f"queue now {store.counts('celery')}")
-    finally:
-        stop(worker)
-        clean(client)
+
+        say("4. the morgue: `celery -A examples.demo_app emq dead ls`, then retry once cured")
+        listing = cli("dead", "ls")
+        [job] = [j for j in store.client.zrange(store.keys("celery").dead, 0, -1)]
+        check(
+            "morgue lists it",
+            job.decode() in listing and "worker_lost" in listing,
+            f"job {job.decode()[:8]}... reason worker_lost",
+        )
+        client.set(f"{PREFIX}cured:poison", 1)
+        cli("dead", "retry", job.decode())
+        replayed = wait_for(lambda: len(runs("poison")) == 3, 30)
+        check(
+            "replayed job runs",
+            bool(replayed) and store.counts("celery")["dead"] == 0,
+            f"run {len(runs('poison'))} succeeded; morgue now empty",
+        )
+
+        say(f"5. a task {LEASE_MS * 4 / 1000:g} s long under a {LEASE_MS / 1000:g} s lease")
+        value = long_task.get(timeout=60)
+        check(
+            "long task ran once",
+            value > 0 and len(runs("long")) == 1,
+            f"runs={len(runs('long'))}, its lease renewed by its worker",
+        )
+
+        cli("status")
+    clean(PREFIX)
 
     print()
     print(f"{'step':32} {'result':6}  detail")
     for name, ok, detail in results:
         print(f"{name:32} {'ok' if ok else 'FAIL':6}  {detail}")
-    return 0 if all(ok for _, ok, _ in results) else 1
+    print(f"\ndemo took {time.monotonic() - t_start:.0f} s")
+    sys.exit(0 if results and all(ok for _, ok, _ in results) else 1)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import time
+from typing import Any
 
 import redis
 from celery import Celery
 
 import celery_emq  # noqa: F401  (registers emq://)
+from celery_emq.jobs import JobInfo
+from celery_emq.signals import job_dead_lettered
 
 REDIS_URL = os.environ.get("EMQ_DEMO_REDIS_URL", "redis://127.0.0.1:6379/13")
 PREFIX = os.environ.get("EMQ_DEMO_PREFIX", "demo:")
@@ -18,7 +23,12 @@ app = Celery("demo")
 app.conf.update(
     broker_url=REDIS_URL.replace("redis://", "emq://", 1),
     result_backend=REDIS_URL,
-    broker_transport_options={"global_keyprefix": PREFIX, "lease_ms": LEASE_MS},
+    broker_transport_options={
+        "global_keyprefix": PREFIX,
+        "lease_ms": LEASE_MS,
+        "sweep_interval_s": 1.0,
+        "max_stalled": 1,
+    },
     result_backend_transport_options={"global_keyprefix": PREFIX},
     task_acks_late=True,
     broker_connection_retry_on_startup=True,
@@ -28,14 +38,36 @@ app.conf.update(
 _r = redis.Redis.from_url(REDIS_URL)
 
 
+def note(tag: str, hostname: str | None) -> None:
+    """Record one run of ``tag`` and where it ran."""
+    _r.rpush(f"{PREFIX}runs:{tag}", f"{time.time()} {hostname}")
+
+
 @app.task
 def add(x: int, y: int) -> int:
     return x + y
 
 
-@app.task
-def slow(seconds: float) -> float:
-    """Sleep well past the lease, counting its runs."""
-    _r.hincrby(PREFIX + "runs", "slow", 1)
+@app.task(bind=True)
+def slow(self: Any, seconds: float, tag: str) -> float:
+    """Sleep, counting its runs and where they happen."""
+    note(tag, self.request.hostname)
     time.sleep(seconds)
     return seconds
+
+
+@app.task(bind=True)
+def crash(self: Any, tag: str) -> str:
+    """Kill the pool process running it, unless ``<prefix>cured:<tag>`` exists."""
+    note(tag, self.request.hostname)
+    if not _r.exists(f"{PREFIX}cured:{tag}"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return "cured"
+
+
+@job_dead_lettered.connect
+def alert(sender: Any, job: JobInfo, **kwargs: Any) -> None:
+    """The failure handler: a log line and an entry in an alert list."""
+    text = f"{job.task_name}[{job.task_id}] dead after {job.stalled} stalls ({job.reason})"
+    logging.getLogger("alerts").error(text)
+    _r.rpush(f"{PREFIX}alerts", text)

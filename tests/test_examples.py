@@ -1,0 +1,34 @@
+"""Every example runs and checks its own outcome (exit 0)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted(p.parent.name for p in (ROOT / "examples").glob("*/run.py"))
+
+
+def test_every_scenario_is_here() -> None:
+    assert EXAMPLES == ["beat_sweep", "dead_letter_handler", "fair_lanes", "flower", "quickstart"]
+    for name in EXAMPLES:
+        assert (ROOT / "examples" / name / "README.md").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_runs(name: str, redis_url: str) -> None:
+    env = {**os.environ, "EMQ_EXAMPLE_REDIS_URL": redis_url.rsplit("/", 1)[0] + "/14"}
+    done = subprocess.run(
+        [sys.executable, f"examples/{name}/run.py"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
