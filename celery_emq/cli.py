@@ -216,15 +216,14 @@ def _filters(f: Callable[..., Any]) -> Callable[..., Any]:
     return f
 
 
-def _filter_args(
-    queue: str | None, task: str | None, reason: str | None, since: str | None, until: str | None
-) -> dict[str, Any]:
+def _filter_args(filters: dict[str, Any]) -> dict[str, Any]:
+    """Turn the filter options into :meth:`Morgue.ls` arguments."""
     return {
-        "queue": queue,
-        "task": task,
-        "reason": reason,
-        "since_ms": _parse_time(since, "--since"),
-        "until_ms": _parse_time(until, "--until"),
+        "queue": filters["queue"],
+        "task": filters["task"],
+        "reason": filters["reason"],
+        "since_ms": _parse_time(filters["since"], "--since"),
+        "until_ms": _parse_time(filters["until"], "--until"),
     }
 
 
@@ -253,20 +252,10 @@ def _dead_rows(jobs: Sequence[DeadJob]) -> str:
 @click.option("--limit", type=click.IntRange(min=1), help="At most this many.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
-def dead_ls(
-    ctx: click.Context,
-    queue: str | None,
-    task: str | None,
-    reason: str | None,
-    since: str | None,
-    until: str | None,
-    limit: int | None,
-    as_json: bool,
-) -> None:
+def dead_ls(ctx: click.Context, /, limit: int | None, as_json: bool, **filters: Any) -> None:
     """List dead jobs, oldest death first."""
-    args = _filter_args(queue, task, reason, since, until)
     with _opened(ctx) as (store, _options, _app):
-        jobs = Morgue(store).ls(limit=limit, **args)
+        jobs = Morgue(store).ls(limit=limit, **_filter_args(filters))
     _emit({"jobs": [j.as_dict() for j in jobs]}, as_json, lambda: _dead_rows(jobs))
 
 
@@ -308,12 +297,15 @@ def dead_show(ctx: click.Context, job_id: str, queue: str | None, as_json: bool)
     _emit(job.as_dict(), as_json, human)
 
 
-def _selection(job_ids: Sequence[str], all_: bool, filters: dict[str, Any]) -> None:
-    chosen = any(v is not None for v in filters.values())
+def _selected(job_ids: Sequence[str], all_: bool, filters: dict[str, Any]) -> dict[str, Any]:
+    """Check that ids, ``--all`` or filters chose the jobs; return the Morgue arguments."""
+    args = _filter_args(filters)
+    chosen = any(v is not None for k, v in args.items() if k != "queue")
     if not job_ids and not all_ and not chosen:
         raise click.ClickException("name job ids, or pass --all or a filter")
     if job_ids and (all_ or chosen):
         raise click.ClickException("give job ids or --all/filters, not both")
+    return args
 
 
 @dead.command("retry")
@@ -331,23 +323,19 @@ def _selection(job_ids: Sequence[str], all_: bool, filters: dict[str, Any]) -> N
 @click.pass_context
 def dead_retry(
     ctx: click.Context,
+    /,
     job_ids: tuple[str, ...],
     all_: bool,
-    queue: str | None,
-    task: str | None,
-    reason: str | None,
-    since: str | None,
-    until: str | None,
     rate: float,
     as_json: bool,
+    **filters: Any,
 ) -> None:
     """Retry dead jobs: back to the front of their queue or lane, stall count reset."""
-    args = _filter_args(None if job_ids else queue, task, reason, since, until)
-    _selection(job_ids, all_, {k: v for k, v in args.items() if k != "queue"} if all_ else args)
+    args = _selected(job_ids, all_, filters)
     with _opened(ctx) as (store, _options, _app):
         morgue = Morgue(store)
         if job_ids:
-            retried = morgue.retry(job_ids, rate_per_s=rate, queue=queue)
+            retried = morgue.retry(job_ids, rate_per_s=rate, queue=args["queue"])
         else:
             retried = morgue.retry(rate_per_s=rate, **args)
     missing = sorted(set(job_ids) - set(retried))
@@ -372,22 +360,18 @@ def dead_retry(
 @click.pass_context
 def dead_purge(
     ctx: click.Context,
+    /,
     job_ids: tuple[str, ...],
     all_: bool,
-    queue: str | None,
-    task: str | None,
-    reason: str | None,
-    since: str | None,
-    until: str | None,
     older_than: str | None,
     as_json: bool,
+    **filters: Any,
 ) -> None:
     """Delete dead jobs for good."""
-    args = _filter_args(None if job_ids else queue, task, reason, since, until)
     if older_than is not None:
-        args["until_ms"] = _parse_time(older_than, "--older-than")
-    _selection(job_ids, all_, {k: v for k, v in args.items() if k != "queue"} if all_ else args)
+        filters["until"] = older_than
+    args = _selected(job_ids, all_, filters)
     with _opened(ctx) as (store, _options, _app):
         morgue = Morgue(store)
-        n = morgue.purge(job_ids, queue=queue) if job_ids else morgue.purge(**args)
+        n = morgue.purge(job_ids, queue=args["queue"]) if job_ids else morgue.purge(**args)
     _emit({"purged": n}, as_json, lambda: f"purged {n} job(s)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kombu import serialization
@@ -33,19 +33,10 @@ class JobInfo:
     decode_error: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """Return the fields as a JSON-friendly dict."""
-        return {
-            "id": self.id,
-            "queue": self.queue,
-            "task_name": self.task_name,
-            "task_id": self.task_id,
-            "args": self.args,
-            "kwargs": self.kwargs,
-            "group": self.group,
-            "stalled": self.stalled,
-            "reason": self.reason,
-            "decode_error": self.decode_error,
-        }
+        """Return the fields as a JSON-friendly dict (the raw headers left out)."""
+        data = asdict(self)
+        del data["headers"]
+        return data
 
 
 def describe(

@@ -17,7 +17,7 @@ import json
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from . import clock
@@ -52,23 +52,7 @@ class DeadJob:
 
     def as_dict(self) -> dict[str, Any]:
         """Return the fields as a JSON-friendly dict (the CLI's ``--json`` form)."""
-        return {
-            "id": self.id,
-            "queue": self.queue,
-            "task_name": self.task_name,
-            "task_id": self.task_id,
-            "args": self.args,
-            "kwargs": self.kwargs,
-            "group": self.group,
-            "stalled": self.stalled,
-            "reason": self.reason,
-            "last_error": self.last_error,
-            "error": self.error,
-            "died_ms": self.died_ms,
-            "deliveries": self.deliveries,
-            "history": self.history,
-            "decode_error": self.decode_error,
-        }
+        return asdict(self)
 
 
 class Morgue:

@@ -13,7 +13,7 @@ import logging
 import os
 import socket
 import threading
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from . import clock
@@ -43,13 +43,8 @@ class SweepReport:
     trimmed: int = 0
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "queue": self.queue,
-            "recovered": self.recovered,
-            "dead": self.dead,
-            "reaped": self.reaped,
-            "trimmed": self.trimmed,
-        }
+        """Return the report as a JSON-friendly dict."""
+        return asdict(self)
 
 
 class Sweeper:

@@ -253,6 +253,8 @@ class Channel(kombu_redis.Channel):
         budget = self.qos.can_consume_max_estimate()
         count = self.emq.claim_batch if budget is None else min(budget, self.emq.claim_batch)
         if count <= 0:
+            if held:
+                self._give_back_marker(queue)
             return False
         payloads = self._claim(queue, count, held, self._no_ack.get(queue, False))
         for payload in payloads:
@@ -305,6 +307,10 @@ class Channel(kombu_redis.Channel):
         if budget is not UNSET:
             value = -1 if budget is None else budget
             self.store.client.hset(self.store.keys(queue).job(job_id), "max_stalled", value)
+
+    def _give_back_marker(self, queue: str) -> None:
+        """Return a popped wake marker, so another consumer wakes for that job."""
+        self.store.client.lpush(self.store.keys(queue).wake, 1)
 
     # -- settling --------------------------------------------------------
 
@@ -365,7 +371,7 @@ class Channel(kombu_redis.Channel):
             except Exception:
                 queue = None
             if queue is not None:
-                self.store.client.lpush(self.store.keys(queue).wake, 1)
+                self._give_back_marker(queue)
         super().close()
         if self._store is not None:
             sweep_thread().unwatch_store(self._store)

@@ -35,9 +35,9 @@ def wait_for(cond: Callable[[], Any], timeout: float, interval: float = 0.1) -> 
     return None
 
 
-def clean(prefix: str) -> None:
-    """Delete every key under ``prefix`` (SCAN, never FLUSH*)."""
-    client = redis.Redis.from_url(REDIS_URL)
+def clean(prefix: str, url: str = REDIS_URL) -> None:
+    """Delete every key under ``prefix`` in the Redis at ``url`` (SCAN, never FLUSH*)."""
+    client = redis.Redis.from_url(url)
     keys = list(client.scan_iter(match=prefix + "*", count=1000))
     for i in range(0, len(keys), 500):
         client.delete(*keys[i : i + 500])

@@ -65,7 +65,7 @@ def cli(*args: str) -> str:
 
 
 def main() -> None:
-    clean(PREFIX)
+    clean(PREFIX, REDIS_URL)
     t_start = time.monotonic()
     say(
         f"broker {app.conf.broker_url} (key prefix {PREFIX!r}), lease {LEASE_MS} ms, "
@@ -75,8 +75,6 @@ def main() -> None:
     w2 = worker("examples.demo_app", "demo2", "-c", "2")
     workers = {"demo1": w1, "demo2": w2}
     with running(w1, w2):
-        long_task = app.send_task("examples.demo_app.slow", args=(LEASE_MS * 4 / 1000, "long"))
-
         say("1. tasks flow: 300 additions across two prefork workers")
         t = time.perf_counter()
         res = [app.send_task("examples.demo_app.add", args=(i, i)) for i in range(300)]
@@ -105,6 +103,8 @@ def main() -> None:
             f" (lease {LEASE_MS / 1000:g} s + sweep)",
         )
 
+        # The long task starts now, on the surviving worker, and is checked in step 5.
+        long_task = app.send_task("examples.demo_app.slow", args=(LEASE_MS * 4 / 1000, "long"))
         say("3. a poison task kills its process every run: max_stalled=1 allows one recovery")
         poison = app.send_task("examples.demo_app.crash", args=("poison",))
         try:
@@ -149,14 +149,32 @@ def main() -> None:
             f"runs={len(runs('long'))}, its lease renewed by its worker",
         )
 
+        say("6. one more poison task, left in the morgue for you to look at")
+        left = app.send_task("examples.demo_app.crash", args=("left",))
+        try:
+            left.get(timeout=60)
+        except StalledJobError:
+            pass
+        check(
+            "morgue holds it",
+            store.counts("celery")["dead"] == 1,
+            f"task {left.id[:8]}... dead after {len(runs('left'))} runs",
+        )
+        client.set(f"{PREFIX}cured:left", 1)  # so that retrying it by hand succeeds
         cli("status")
-    clean(PREFIX)
 
     print()
     print(f"{'step':32} {'result':6}  detail")
     for name, ok, detail in results:
         print(f"{name:32} {'ok' if ok else 'FAIL':6}  {detail}")
     print(f"\ndemo took {time.monotonic() - t_start:.0f} s")
+    if os.environ.get("EMQ_PRIVATE_REDIS_STARTED") != "1":
+        env = f"EMQ_DEMO_REDIS_URL={REDIS_URL}"
+        print("\nOne dead job is left in the morgue, cured, so a retry by hand succeeds")
+        print("(the demo's keys are deleted when it runs next):")
+        print(f"  {env} .venv/bin/celery -A examples.demo_app emq dead ls")
+        print(f"  {env} .venv/bin/celery -A examples.demo_app emq dead retry --all")
+        print(f"  {env} .venv/bin/celery -A examples.demo_app worker   # runs what you retried")
     sys.exit(0 if results and all(ok for _, ok, _ in results) else 1)
 
 

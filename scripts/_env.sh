@@ -51,6 +51,7 @@ if [ -z "${EMQ_REDIS_URL:-}" ]; then
       sleep 0.1
     done
     EMQ_REDIS_URL="redis://127.0.0.1:$PORT/0"
+    export EMQ_PRIVATE_REDIS_STARTED=1
   fi
 fi
 export EMQ_REDIS_URL

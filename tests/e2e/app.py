@@ -35,6 +35,7 @@ def make_conf(redis_url: str, prefix: str, lease_ms: int) -> dict[str, Any]:
             "lease_ms": lease_ms,
             "client_name": os.environ.get("EMQ_E2E_CLIENT_NAME", "emq-e2e"),
             "sweep_interval_s": float(os.environ.get("EMQ_E2E_SWEEP_S", "5")),
+            "max_stalled": int(os.environ.get("EMQ_E2E_MAX_STALLED", "1")),
         },
         "broker_connection_retry_on_startup": True,
         "task_acks_late": os.environ.get("EMQ_E2E_ACKS_LATE", "1") == "1",

@@ -26,6 +26,16 @@ def wait_for(cond: Callable[[], Any], timeout: float, interval: float = 0.1) -> 
         time.sleep(interval)
 
 
+def lapsed_leases(client: Any, active_key: str) -> list[bytes]:
+    """Return the ids in ``active_key`` whose lease deadline has passed."""
+    now_ms = time.time() * 1000
+    return [
+        job
+        for job, deadline in client.zrange(active_key, 0, -1, withscores=True)
+        if deadline < now_ms
+    ]
+
+
 class Worker:
     """One ``celery worker`` subprocess, logging to a file."""
 

@@ -13,7 +13,7 @@ from celery import chain, chord, group
 from celery_emq.store import JobStore
 
 from .app import client_app
-from .harness import Worker, wait_for
+from .harness import Worker, lapsed_leases, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -50,13 +50,10 @@ def test_long_task_and_eta_outlive_the_lease_and_run_once(
     eta = capp.send_task("tests.e2e.app.sleepy", args=(0, "eta"), countdown=20)
     k = store.keys("celery")
     # Every second until both are done, no lease may be past its deadline.
-    lapsed: list[tuple[float, bytes, float]] = []
+    lapsed: list[bytes] = []
     deadline = time.monotonic() + 60
     while client.llen(prefix + "done") < 2 and time.monotonic() < deadline:
-        now_ms = time.time() * 1000
-        for job_id, score in client.zrange(k.active, 0, -1, withscores=True):
-            if score < now_ms:
-                lapsed.append((now_ms, job_id, score))
+        lapsed += lapsed_leases(client, k.active)
         time.sleep(1)
     assert long.get(timeout=10) == "long"
     assert eta.get(timeout=10) == "eta"
@@ -107,8 +104,7 @@ def test_other_pools_keep_leases_of_blocking_tasks(
     lapsed = 0
     deadline = time.monotonic() + 40
     while client.llen(prefix + "done") < 3 and time.monotonic() < deadline:
-        now_ms = time.time() * 1000
-        lapsed += sum(1 for _, s in client.zrange(k.active, 0, -1, withscores=True) if s < now_ms)
+        lapsed += len(lapsed_leases(client, k.active))
         time.sleep(0.5)
     assert [r.get(timeout=20) for r in results] == [f"{pool}{i}" for i in range(3)]
     assert lapsed == 0
@@ -178,8 +174,7 @@ def test_broker_reconnect_keeps_running_task_leased_and_acks_it(
     lapsed = 0
     deadline = time.monotonic() + 30
     while client.llen(prefix + "done") < 1 and time.monotonic() < deadline:
-        now_ms = time.time() * 1000
-        lapsed += sum(1 for _, s in client.zrange(k.active, 0, -1, withscores=True) if s < now_ms)
+        lapsed += len(lapsed_leases(client, k.active))
         assert client.zcard(k.pending) == 0, "a reconnect must not requeue a running task"
         time.sleep(0.5)
     assert result.get(timeout=10) == "survivor"
