@@ -89,6 +89,18 @@ def sleepy(seconds: float, tag: str) -> str:
 
 
 @app.task
+def spin(seconds: float, tag: str) -> str:
+    """Burn CPU in pure Python (no sleep, no I/O) for ``seconds``."""
+    note_run(tag)
+    end = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < end:
+        n += sum(i * i for i in range(1000))
+    rec().rpush(PREFIX + "done", tag)
+    return tag
+
+
+@app.task
 def add(x: int, y: int) -> int:
     return x + y
 

@@ -49,18 +49,23 @@ def test_sigkilled_worker_task_restarts_on_a_survivor(
 
 
 @pytest.mark.parametrize(
-    ("task", "expected_runs"),
-    [("tests.e2e.app.poison", 2), ("tests.e2e.app.poison3", 4)],
+    ("task", "budget_option", "expected_runs"),
+    [
+        ("tests.e2e.app.poison", "1", 2),  # the default budget
+        ("tests.e2e.app.poison", "3", 4),  # max_stalled=3 as a transport option
+        ("tests.e2e.app.poison3", "1", 4),  # a task's own emq_max_stalled=3 wins
+    ],
 )
 def test_poison_task_is_dead_lettered_after_its_budget(
     task: str,
+    budget_option: str,
     expected_runs: int,
     start_worker: Callable[..., Worker],
     capp: Any,
     client: redis.Redis,
     prefix: str,
 ) -> None:
-    start_worker("-c", "1", "-E")
+    start_worker("-c", "1", "-E", EMQ_E2E_MAX_STALLED=budget_option)
     store = JobStore(client, prefix + "emq", 30000)
     poisoned = capp.send_task(task, args=("p",))
     innocents = [capp.send_task("tests.e2e.app.add", args=(i, 1)) for i in range(5)]
