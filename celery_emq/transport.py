@@ -25,7 +25,7 @@ from .options import EmqOptions
 from .scripts import UNSET, Claimed, Outcome, Unset
 from .store import JobStore
 from .sweeper import Sweeper, sweep_thread
-from .worker_state import install_worker_lost_probe, pop_lost_delivery, started_delivery_tags
+from .worker_state import WORKER_LOST, install_worker_probes, pop_mark, started_delivery_tags
 
 __all__ = ["Channel", "QoS", "Transport"]
 
@@ -54,21 +54,32 @@ class QoS(kombu_redis.QoS):
         virtual.QoS.append(self, message, delivery_tag)
 
     def ack(self, delivery_tag: str) -> None:
-        if pop_lost_delivery(delivery_tag):
-            # The pool process running it died: a stall, not a completion.
-            self.channel._charge(delivery_tag, "worker_lost")
-        else:
+        if not self._settle_marked(delivery_tag):
             self.channel._settle(delivery_tag)
         virtual.QoS.ack(self, delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
-        if pop_lost_delivery(delivery_tag):
-            self.channel._charge(delivery_tag, "worker_lost")
-        elif requeue:
-            self.channel._release(delivery_tag)
-        else:
-            self.channel._bury(delivery_tag, "rejected", "rejected without requeue")
+        if not self._settle_marked(delivery_tag):
+            if requeue:
+                self.channel._release(delivery_tag)
+            else:
+                self.channel._bury(delivery_tag, "rejected", "rejected without requeue")
         virtual.QoS.ack(self, delivery_tag)
+
+    def _settle_marked(self, delivery_tag: str) -> bool:
+        """Settle a delivery Celery's handling marked with a reason; False if unmarked.
+
+        A lost pool process is a stall (counted against the budget); a message
+        Celery could not decode or will not run is dead-lettered with the reason.
+        """
+        mark = pop_mark(delivery_tag)
+        if mark is None:
+            return False
+        if mark.reason == WORKER_LOST:
+            self.channel._charge(delivery_tag, WORKER_LOST)
+        else:
+            self.channel._bury(delivery_tag, mark.reason, mark.error)
+        return True
 
     def restore_unacked(self, client: Any = None) -> None:
         """Release unstarted deliveries at once; keep leases of started ones.
@@ -113,6 +124,9 @@ class Channel(kombu_redis.Channel):
         self._registered_queues: set[str] = set()
         self._budgets: dict[str, int | Unset | None] = {}
         super().__init__(connection, *args, **kwargs)
+        # Inside a Celery worker, before it binds its message handlers: see
+        # what its handling of lost processes and refused messages decides.
+        install_worker_probes()
 
     # -- the store -------------------------------------------------------
 
@@ -182,10 +196,9 @@ class Channel(kombu_redis.Channel):
         ret = super().basic_consume(queue, no_ack, *args, **kwargs)
         if not no_ack and queue not in self._fanout_queues:
             # A consuming process sweeps what it consumes: recovery needs no
-            # other process. Inside a Celery worker, lost pool processes count.
+            # other process.
             self._register(queue)
             sweep_thread().watch(self.sweeper, queue)
-            install_worker_lost_probe()
         return ret
 
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:

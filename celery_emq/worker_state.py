@@ -1,19 +1,39 @@
-"""What a Celery worker in this process is running, read without importing it eagerly."""
+"""What a Celery worker in this process is doing, read without importing it eagerly.
+
+Celery settles some deliveries with an ordinary ``ack`` or ``reject`` that says
+nothing of why: a pool process died under the task, the body could not be
+decoded, the task is not registered. The probes installed here wrap the Celery
+methods that decide those outcomes and *mark* the delivery tag with a reason;
+when the settle reaches the transport, it reads the mark and counts a stall
+(``worker_lost``) or dead-letters the job with that reason instead of deleting it.
+"""
 
 from __future__ import annotations
 
 import sys
 import threading
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
-__all__ = ["install_worker_lost_probe", "pop_lost_delivery", "started_delivery_tags"]
+__all__ = ["Mark", "install_worker_probes", "pop_mark", "started_delivery_tags"]
 
-#: Delivery tags whose pool process died, waiting for Celery's (deferred) ack
-#: or reject of them. Bounded: an entry nobody settles is forgotten eventually.
-_lost: OrderedDict[str, None] = OrderedDict()
-_lost_lock = threading.Lock()
-_LOST_MAX = 10_000
+#: The reason that makes a settle a stall rather than a dead letter.
+WORKER_LOST = "worker_lost"
+
+
+class Mark(NamedTuple):
+    """Why Celery is about to settle a delivery."""
+
+    reason: str
+    error: str
+
+
+#: Marked delivery tags waiting for Celery's (possibly deferred) ack or reject.
+#: Bounded: an entry nobody settles is forgotten eventually.
+_marks: OrderedDict[str, Mark] = OrderedDict()
+_marks_lock = threading.Lock()
+_MARKS_MAX = 10_000
 
 
 def started_delivery_tags() -> set[str]:
@@ -34,36 +54,78 @@ def started_delivery_tags() -> set[str]:
     return tags
 
 
-def pop_lost_delivery(tag: str) -> bool:
-    """Return (and forget) whether ``tag``'s pool process was lost."""
-    with _lost_lock:
-        return _lost.pop(tag, False) is None
+def pop_mark(tag: str) -> Mark | None:
+    """Return (and forget) the mark on ``tag``, if Celery's handling left one."""
+    with _marks_lock:
+        return _marks.pop(tag, None)
 
 
-def _mark_lost(tag: str) -> None:
-    with _lost_lock:
-        _lost[tag] = None
-        while len(_lost) > _LOST_MAX:
-            _lost.popitem(last=False)
+def _mark(message: Any, reason: str, error: str = "") -> None:
+    tag = getattr(message, "delivery_tag", None)
+    if tag is None:
+        return
+    with _marks_lock:
+        _marks[tag] = Mark(reason, error)
+        while len(_marks) > _MARKS_MAX:
+            _marks.popitem(last=False)
 
 
-def install_worker_lost_probe() -> None:
-    """Let the transport see that a pool process died under a delivery.
+def _error(exc: Any) -> str:
+    return f"{type(exc).__name__}: {exc}" if exc is not None else ""
 
-    Celery settles a delivery whose pool process died (``WorkerLostError``) with
-    an ordinary ``ack`` or ``reject``; nothing on the message says why. The probe
-    wraps ``Request.on_failure`` to note the delivery tag of such a loss; when
-    Celery's ack or reject of that tag reaches the transport (Celery defers it
-    to the event loop), the transport counts a stall instead.
+
+def _wrap(cls: Any, name: str, before: Callable[..., None]) -> None:
+    """Call ``before(self, *args)`` ahead of ``cls.name``; once per process."""
+    original = getattr(cls, name)
+    if getattr(original, "_emq_probe", False):
+        return
+
+    def probe(self: Any, *args: Any, **kwargs: Any) -> Any:
+        before(self, *args)
+        return original(self, *args, **kwargs)
+
+    probe._emq_probe = True  # type: ignore[attr-defined]
+    setattr(cls, name, probe)
+
+
+def install_worker_probes() -> None:
+    """Install the probes, once per process, and only inside a Celery worker.
 
     A lost pool process is a stall, whatever ``task_reject_on_worker_lost``
     says: an ``acks_late`` task is handled as if that setting were on (Celery
     requeues and records no failure), and the transport turns the requeue into
-    a counted recovery, or a dead-letter past the budget. Installed once per
-    process, only inside a Celery worker.
+    a counted recovery, or a dead-letter past the budget. A message Celery
+    cannot decode (it would ack it away) or will not run (an unknown or invalid
+    task, which it rejects) is dead-lettered with that reason.
     """
     if "celery.worker.consumer" not in sys.modules:
         return  # not inside a Celery worker
+    from celery.worker.consumer.consumer import Consumer
+
+    _wrap(
+        Consumer,
+        "on_decode_error",
+        lambda self, message, exc: _mark(message, "malformed", _error(exc)),
+    )
+    _wrap(
+        Consumer,
+        "on_unknown_message",
+        lambda self, body, message: _mark(message, "unknown_message"),
+    )
+    _wrap(
+        Consumer,
+        "on_unknown_task",
+        lambda self, body, message, exc: _mark(message, "unknown_task", _error(exc)),
+    )
+    _wrap(
+        Consumer,
+        "on_invalid_task",
+        lambda self, body, message, exc: _mark(message, "invalid_task", _error(exc)),
+    )
+    _install_worker_lost_probe()
+
+
+def _install_worker_lost_probe() -> None:
     from billiard.exceptions import WorkerLostError
     from celery.worker.request import Request
 
@@ -88,7 +150,7 @@ def install_worker_lost_probe() -> None:
             return original(self, exc_info, *args, **kwargs)
         had_own = "reject_on_worker_lost" in vars(task)
         own = vars(task).get("reject_on_worker_lost")
-        _mark_lost(self.message.delivery_tag)
+        _mark(self.message, WORKER_LOST, _error(exc))
         task.reject_on_worker_lost = True
         try:
             return original(self, exc_info, *args, **kwargs)

@@ -148,3 +148,29 @@ def test_beat_scheduled_sweep_recovers_a_lapsed_job(
     assert "celery_emq.sweep" in beat_log.read_text()
     assert store.job("celery", job.id) == {}
     assert store.metrics("celery")["recovered"] == 1
+
+
+def test_messages_celery_refuses_go_to_the_morgue_with_a_reason(
+    start_worker: Callable[..., Worker], capp: Any, client: redis.Redis, prefix: str
+) -> None:
+    start_worker("-c", "1")
+    store = JobStore(client, prefix + "emq", 30000)
+    capp.send_task("no.such.task", args=(1,))
+    with capp.producer_or_acquire() as producer:
+        # No task header (so not protocol 2) and a body that is not JSON.
+        producer.publish(
+            b"{not json",
+            routing_key="celery",
+            content_type="application/json",
+            content_encoding="utf-8",
+            serializer=None,
+        )
+    ok = capp.send_task("tests.e2e.app.add", args=(2, 3))
+    assert ok.get(timeout=20) == 5
+    wait_for(lambda: store.counts("celery")["dead"] == 2, 10)
+    rows = [
+        store.job("celery", j.decode()) for j in client.zrange(store.keys("celery").dead, 0, -1)
+    ]
+    reasons = sorted((r["reason"], r["error"].split(":")[0]) for r in rows)
+    assert reasons == [("malformed", "DecodeError"), ("unknown_task", "KeyError")]
+    assert store.counts("celery") == {"pending": 0, "active": 0, "dead": 2}
