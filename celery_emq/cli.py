@@ -37,6 +37,9 @@ from .sweeper import Sweeper
 
 __all__ = ["emq"]
 
+#: Moved job ids a sweep or reap prints for people (``--json`` has them all).
+MOVED_SHOWN = 20
+
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -168,13 +171,26 @@ def _pass(ctx: click.Context, queues: Sequence[str], as_json: bool, reap: bool) 
         run = sweeper.reap if reap else sweeper.sweep
         reports = [run(q).as_dict() for q in names]
 
+    kinds = ("reaped",) if reap else ("recovered", "dead")
+
     def human() -> str:
         if reap:
-            return _table([(r["queue"], len(r["reaped"])) for r in reports], ("queue", "reaped"))
-        return _table(
-            [(r["queue"], len(r["recovered"]), len(r["dead"]), r["trimmed"]) for r in reports],
-            ("queue", "recovered", "dead-lettered", "trimmed"),
-        )
+            text = _table([(r["queue"], len(r["reaped"])) for r in reports], ("queue", "reaped"))
+        else:
+            text = _table(
+                [(r["queue"], len(r["recovered"]), len(r["dead"]), r["trimmed"]) for r in reports],
+                ("queue", "recovered", "dead-lettered", "trimmed"),
+            )
+        moved = [
+            f"{kind} from {r['queue']}: {job_id}"
+            for r in reports
+            for kind in kinds
+            for job_id in r[kind]
+        ]
+        shown = moved[:MOVED_SHOWN]
+        if len(moved) > MOVED_SHOWN:
+            shown.append(f"... and {len(moved) - MOVED_SHOWN} more (--json lists them all)")
+        return "\n".join([text, *shown])
 
     _emit({"queues": reports}, as_json, human)
 
