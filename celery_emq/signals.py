@@ -27,5 +27,7 @@ job_stalled = Signal(name="job_stalled", providing_args={"job"})
 #: A stalled job went back to the front of its queue, within its budget.
 job_recovered = Signal(name="job_recovered", providing_args={"job"})
 
-#: A job stalled past its budget and was moved to the morgue.
+#: A job was moved to the morgue: it stalled past its budget (``job.reason`` is
+#: ``lease_expired`` or ``worker_lost``), or it cannot or will not run
+#: (``malformed``, ``unknown_task``, ``invalid_task``, ``rejected``, ...).
 job_dead_lettered = Signal(name="job_dead_lettered", providing_args={"job"})

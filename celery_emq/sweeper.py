@@ -20,7 +20,7 @@ from . import clock
 from .errors import StalledJobError
 from .jobs import JobInfo, describe
 from .options import EmqOptions
-from .scripts import Swept
+from .scripts import Outcome, Swept
 from .signals import job_dead_lettered, job_recovered, job_stalled
 from .store import JobStore
 
@@ -101,6 +101,23 @@ class Sweeper:
             if report.dead:
                 self.trim(queue)
         return swept
+
+    def bury(self, queue: str, job_id: str, reason: str, error: str) -> bool:
+        """Dead-letter one job that cannot or will not run; return whether it moved.
+
+        Sends ``job_dead_lettered`` with the reason and applies the morgue's
+        retention. (Celery itself records the task's failure in these cases.)
+        """
+        if self.store.bury(queue, job_id, reason, error) is not Outcome.OK:
+            return False
+        row = self.store.job(queue, job_id)
+        info = describe(row.get("payload", ""), queue, job_id, int(row.get("stalled", 0)), reason)
+        logger.error(
+            "celery_emq: job %s dead-lettered from %s: %s %s", job_id, queue, reason, error
+        )
+        _send(job_dead_lettered, info)
+        self.trim(queue)
+        return True
 
     def trim(self, queue: str, now_ms: int | None = None) -> int:
         """Apply the morgue's retention to ``queue``."""

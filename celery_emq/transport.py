@@ -298,7 +298,7 @@ class Channel(kombu_redis.Channel):
         except Exception as exc:
             logger.error("celery_emq: job %s in %s cannot be decoded: %r", job.id, queue, exc)
             keeper().forget(job.id)
-            self.store.bury(queue, job.id, "malformed", f"{type(exc).__name__}: {exc}")
+            self.sweeper.bury(queue, job.id, "malformed", f"{type(exc).__name__}: {exc}")
             return None
         props["delivery_tag"] = job.id
         if BUDGET_OPTION not in headers:
@@ -348,7 +348,7 @@ class Channel(kombu_redis.Channel):
         if held is None:
             return
         store, queue = held
-        store.bury(queue, tag, reason, error)
+        Sweeper(store, self.emq).bury(queue, tag, reason, error)
 
     def _charge(self, tag: str, reason: str) -> None:
         held = keeper().forget(tag)

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from celery import Celery
 
 from celery_emq.store import JobStore
 
@@ -49,6 +50,20 @@ def prefix(client: redis.Redis) -> Iterator[str]:
     p = f"t{uuid.uuid4().hex[:10]}:"
     yield p
     delete_prefix(client, p)
+
+
+@pytest.fixture
+def app(redis_url: str, prefix: str) -> Iterator[Celery]:
+    """A Celery app on emq:// and the Redis result backend, both under the test's prefix."""
+    a = Celery("emqtest", set_as_current=False)
+    a.conf.update(
+        broker_url=redis_url.replace("redis://", "emq://", 1),
+        broker_transport_options={"global_keyprefix": prefix},
+        result_backend=redis_url,
+        result_backend_transport_options={"global_keyprefix": prefix},
+    )
+    yield a
+    a.close()
 
 
 @pytest.fixture

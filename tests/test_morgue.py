@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -11,17 +10,6 @@ from celery import Celery
 
 from celery_emq import Morgue
 from celery_emq.store import JobStore
-
-
-@pytest.fixture
-def app(redis_url: str, prefix: str) -> Iterator[Celery]:
-    a = Celery("morguetest", set_as_current=False)
-    a.conf.update(
-        broker_url=redis_url.replace("redis://", "emq://", 1),
-        broker_transport_options={"global_keyprefix": prefix},
-    )
-    yield a
-    a.close()
 
 
 @pytest.fixture

@@ -17,19 +17,6 @@ from celery_emq.sweeper import Sweeper
 
 
 @pytest.fixture
-def app(redis_url: str, prefix: str) -> Iterator[Celery]:
-    a = Celery("sweeptest", set_as_current=False)
-    a.conf.update(
-        broker_url=redis_url.replace("redis://", "emq://", 1),
-        broker_transport_options={"global_keyprefix": prefix},
-        result_backend=redis_url,
-        result_backend_transport_options={"global_keyprefix": prefix},
-    )
-    yield a
-    a.close()
-
-
-@pytest.fixture
 def captured() -> Iterator[dict[str, list[JobInfo]]]:
     got: dict[str, list[JobInfo]] = {"stalled": [], "recovered": [], "dead": []}
 

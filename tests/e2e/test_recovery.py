@@ -155,7 +155,7 @@ def test_messages_celery_refuses_go_to_the_morgue_with_a_reason(
 ) -> None:
     start_worker("-c", "1")
     store = JobStore(client, prefix + "emq", 30000)
-    capp.send_task("no.such.task", args=(1,))
+    unknown = capp.send_task("no.such.task", args=(1,))
     with capp.producer_or_acquire() as producer:
         # No task header (so not protocol 2) and a body that is not JSON.
         producer.publish(
@@ -174,3 +174,8 @@ def test_messages_celery_refuses_go_to_the_morgue_with_a_reason(
     reasons = sorted((r["reason"], r["error"].split(":")[0]) for r in rows)
     assert reasons == [("malformed", "DecodeError"), ("unknown_task", "KeyError")]
     assert store.counts("celery") == {"pending": 0, "active": 0, "dead": 2}
+    signals = {k.decode(): int(v) for k, v in client.hgetall(prefix + "dead-signals").items()}
+    assert sorted(signals.items()) == [
+        ("None:None:malformed", 1),
+        ("no.such.task:" + unknown.id + ":unknown_task", 1),
+    ]

@@ -131,15 +131,30 @@ def test_reject_without_requeue_goes_to_the_morgue(connect: ConnFactory, store: 
 def test_malformed_payload_is_dead_lettered_and_consuming_goes_on(
     connect: ConnFactory, store: JobStore
 ) -> None:
-    conn, q = connect(), queue()
-    publish(conn, q, ["before"])
-    store.enqueue("q", "broken", b"{not json")
-    publish(conn, q, ["after"])
-    got = drain(conn, q, 2)
+    from celery_emq.signals import job_dead_lettered
+
+    seen: list[Any] = []
+
+    def on_dead(sender: Any, job: Any, **kw: Any) -> None:
+        seen.append(job)
+
+    job_dead_lettered.connect(on_dead)
+    try:
+        conn, q = connect(dead_max_size=1), queue()
+        publish(conn, q, ["before"])
+        store.enqueue("q", "broken1", b"{not json")
+        store.enqueue("q", "broken2", b'["no", "properties"]')
+        publish(conn, q, ["after"])
+        got = drain(conn, q, 2)
+    finally:
+        job_dead_lettered.disconnect(on_dead)
     assert [b for b, _ in got] == ["before", "after"]
-    row = store.job("q", "broken")
-    assert (row["state"], row["last_error"]) == ("dead", "malformed")
-    assert "JSONDecodeError" in row["error"]
+    assert [(j.id, j.reason) for j in seen] == [("broken1", "malformed"), ("broken2", "malformed")]
+    # Retention applies as jobs arrive: dead_max_size=1 keeps the newest only.
+    assert store.client.zrange(store.keys("q").dead, 0, -1) == [b"broken2"]
+    row = store.job("q", "broken2")
+    assert (row["state"], row["last_error"], row["reason"]) == ("dead", "malformed", "malformed")
+    assert "TypeError" in row["error"]
     assert store.counts("q") == {"pending": 0, "active": 0, "dead": 1}
 
 
