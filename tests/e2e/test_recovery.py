@@ -48,6 +48,27 @@ def test_sigkilled_worker_task_restarts_on_a_survivor(
     capp.close()
 
 
+def test_killed_worker_past_budget_is_dead_lettered_by_a_survivors_sweep(
+    start_worker: Callable[..., Worker], client: redis.Redis, prefix: str, redis_url: str
+) -> None:
+    lease_ms = 2000
+    capp = client_app(redis_url, prefix, lease_ms)
+    env = {"EMQ_E2E_LEASE_MS": str(lease_ms), "EMQ_E2E_MAX_STALLED": "0", "EMQ_E2E_SWEEP_S": "1"}
+    doomed = start_worker("-c", "1", name="doomed", **env)
+    result = capp.send_task("tests.e2e.app.sleepy", args=(30, "once"))
+    wait_for(lambda: runs(client, prefix).get("once") == 1, 15)
+    start_worker("-c", "1", name="survivor", **env)
+    doomed.kill()
+    # The survivor's sweep thread finds the lapsed lease: with max_stalled=0 the
+    # first stall is fatal, so the task's caller gets StalledJobError.
+    with pytest.raises(StalledJobError, match="stalled 1 times"):
+        result.get(timeout=30)
+    assert runs(client, prefix) == {"once": 1}
+    signals = {k.decode(): int(v) for k, v in client.hgetall(prefix + "dead-signals").items()}
+    assert signals == {f"tests.e2e.app.sleepy:{result.id}:lease_expired": 1}
+    capp.close()
+
+
 @pytest.mark.parametrize(
     ("task", "budget_option", "expected_runs"),
     [
