@@ -227,6 +227,20 @@ class JobStore:
         lanes = sum(self.lanes(queue).values()) if has_lanes else 0
         return {"pending": int(pending) + lanes, "active": int(active), "dead": int(dead)}
 
+    def waiting(self, queues: Sequence[str]) -> list[str]:
+        """Return those of ``queues`` that have pending jobs (lanes included).
+
+        One ``EXISTS`` per queue (its keys share a slot), in one round trip.
+        """
+        if not queues:
+            return []
+        with self.client.pipeline(transaction=False) as pipe:
+            for q in queues:
+                k = self.keys(q)
+                pipe.exists(k.pending, k.lanes)
+            found = pipe.execute()
+        return [q for q, n in zip(queues, found, strict=True) if n]
+
     def exists(self, queue: str) -> bool:
         """Return whether the queue holds any pending or active job."""
         k = self.keys(queue)

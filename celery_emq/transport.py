@@ -256,8 +256,9 @@ class Channel(kombu_redis.Channel):
             raise Empty()
         # The wait timed out. A marker can be lost (a consumer killed between
         # its BRPOP and its claim), so look once at every queue before waiting
-        # again: a stranded job waits at most one BRPOP timeout.
-        for q in self.active_queues:
+        # again: a stranded job waits at most one BRPOP timeout. An idle queue
+        # costs one EXISTS here, not a claim.
+        for q in self.store.waiting(self.active_queues):
             if self._claim_and_deliver(q, held=0):
                 return True
         raise Empty()

@@ -70,3 +70,12 @@ def test_claimed_job_is_never_in_two_sets_or_none(store: JobStore, client: redis
     active = set(client.zrange(k.active, 0, -1))
     assert not pending & active
     assert len(pending | active) == 20
+
+
+def test_waiting_names_queues_with_pending_work(store: JobStore) -> None:
+    fill(store, "busy", ["a"])
+    store.enqueue("lanes-only", "b", b"{}", group="g", now_ms=1)
+    fill(store, "drained", ["c"])
+    store.claim("drained", "w", now_ms=1)
+    assert store.waiting(["busy", "idle", "lanes-only", "drained"]) == ["busy", "lanes-only"]
+    assert store.waiting([]) == []

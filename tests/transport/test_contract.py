@@ -294,3 +294,16 @@ def test_lease_survives_a_dropped_connection(
     assert store.client.zscore(store.keys("q").active, message.delivery_tag) > time.time() * 1000
     message.ack()
     assert store.counts("q") == {"pending": 0, "active": 0, "dead": 0}
+
+
+def test_a_job_whose_wake_marker_was_lost_is_still_claimed(
+    connect: ConnFactory, store: JobStore
+) -> None:
+    # A consumer killed between its BRPOP and its claim takes the marker with it;
+    # the job must not wait for the next publish.
+    conn, q = connect(), queue()
+    publish(conn, q, ["stranded"])
+    store.client.delete(store.keys("q").wake)
+    got = drain(conn, q, 1, timeout=5)
+    assert [b for b, _ in got] == ["stranded"]
+    assert store.counts("q") == {"pending": 0, "active": 0, "dead": 0}
