@@ -12,36 +12,25 @@ the emq/stock ratios (medians).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import redis
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def scan_delete(client: redis.Redis, prefix: str) -> None:
-    keys = list(client.scan_iter(match=prefix + "*", count=1000))
-    for i in range(0, len(keys), 500):
-        client.delete(*keys[i : i + 500])
+from bench._common import ROOT, bench_worker, round_env
 
 
 def one_round(scheme: str, args: argparse.Namespace) -> dict[str, float]:
-    prefix = f"bench{uuid.uuid4().hex[:8]}:"
-    db_url = f"redis://{args.host}:{args.port}/{args.db}"
-    env = {
-        **os.environ,
-        "BENCH_BROKER": f"{scheme}://{args.host}:{args.port}/{args.db}",
-        "BENCH_RECORD": db_url,
-        "BENCH_PREFIX": prefix,
-        "BENCH_ACKS_LATE": "1" if args.acks_late else "0",
-    }
-    client = redis.Redis.from_url(db_url)
+    env = round_env(
+        scheme, args.host, args.port, args.db, BENCH_ACKS_LATE="1" if args.acks_late else "0"
+    )
+    prefix = env["BENCH_PREFIX"]
+    client = redis.Redis.from_url(env["BENCH_RECORD"])
     # Publish from a child process so both transports pay the same import costs.
     publish = (
         "import time, bench.app as b\n"
@@ -63,30 +52,7 @@ def one_round(scheme: str, args: argparse.Namespace) -> dict[str, float]:
     )
     publish_s = float(out.stdout.strip().splitlines()[-1])
     mem_per_task = (client.info("memory")["used_memory"] - mem0) / args.tasks
-    worker = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "bench.app",
-            "worker",
-            "-c",
-            str(args.concurrency),
-            "-P",
-            "prefork",
-            "--without-mingle",
-            "--without-gossip",
-            "-l",
-            "warning",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
+    with bench_worker(env, args.concurrency):
         deadline = time.monotonic() + args.timeout
         while int(client.get(prefix + "count") or 0) < args.tasks:
             if time.monotonic() > deadline:
@@ -94,15 +60,6 @@ def one_round(scheme: str, args: argparse.Namespace) -> dict[str, float]:
             time.sleep(0.05)
         first = float(client.get(prefix + "first") or 0)
         last = float(client.get(prefix + "last") or 0)
-    finally:
-        worker.terminate()
-        try:
-            worker.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(worker.pid, 9)
-            worker.wait(10)
-        scan_delete(client, prefix)
-        # The stock transport's binding and unacked keys carry the prefix too.
     return {
         "drain_per_s": (args.tasks - 1) / (last - first),
         "publish_per_s": args.tasks / publish_s,

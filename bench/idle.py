@@ -11,61 +11,25 @@ nothing else is using, or the figures include the other clients.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import redis
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import bench_worker, round_env
 
 
 def idle_rate(scheme: str, args: argparse.Namespace) -> float:
-    prefix = f"idle{uuid.uuid4().hex[:8]}:"
-    env = {
-        **os.environ,
-        "BENCH_BROKER": f"{scheme}://{args.host}:{args.port}/{args.db}",
-        "BENCH_RECORD": f"redis://{args.host}:{args.port}/{args.db}",
-        "BENCH_PREFIX": prefix,
-    }
-    client = redis.Redis(host=args.host, port=args.port, db=args.db)
-    worker = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "bench.app",
-            "worker",
-            "-c",
-            "2",
-            "-P",
-            "prefork",
-            "--without-mingle",
-            "--without-gossip",
-            "--without-heartbeat",
-            "-l",
-            "warning",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
+    env = round_env(scheme, args.host, args.port, args.db)
+    client = redis.Redis.from_url(env["BENCH_RECORD"])
+    with bench_worker(env, 2, "--without-heartbeat"):
         time.sleep(args.settle)
         before = client.info("stats")["total_commands_processed"]
         time.sleep(args.seconds)
         after = client.info("stats")["total_commands_processed"]
-    finally:
-        worker.terminate()
-        worker.wait(30)
-        for key in client.scan_iter(match=prefix + "*", count=1000):
-            client.delete(key)
     return (after - before - 1) / args.seconds
 
 
