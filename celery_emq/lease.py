@@ -87,11 +87,6 @@ class LeaseKeeper:
                 )
                 self._thread.start()
 
-    def lookup(self, job_id: str) -> tuple[JobStore, str] | None:
-        """Return the store and queue a held job belongs to."""
-        with self._lock:
-            return self._held.get(job_id)
-
     def forget(self, job_id: str) -> tuple[JobStore, str] | None:
         """Stop renewing a job (acked, released or dead); return where it was held."""
         with self._lock:

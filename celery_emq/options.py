@@ -8,7 +8,7 @@ Redis options (``socket_timeout``, ``global_keyprefix``, ...) keep their meaning
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import InvalidOptionError
@@ -52,11 +52,6 @@ class EmqOptions:
     sweep_batch: int = 500
     dead_max_size: int = 10_000
     dead_max_age_s: int = 7 * 86_400
-
-    @classmethod
-    def names(cls) -> tuple[str, ...]:
-        """Return the option names this dataclass reads."""
-        return tuple(f.name for f in fields(cls))
 
     @classmethod
     def from_transport_options(cls, topts: Mapping[str, Any]) -> EmqOptions:

@@ -222,7 +222,6 @@ class SweepThread:
         self._interval_s: float | None = None
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
-        self.passes = 0
 
     def watch(self, sweeper: Sweeper, queue: str) -> None:
         """Start sweeping ``queue`` with ``sweeper`` (idempotent per store and queue)."""
@@ -253,7 +252,6 @@ class SweepThread:
                 reports.append(sweeper.sweep(queue, now_ms))
             except Exception:
                 logger.exception("celery_emq: sweep of %s failed; retrying next pass", queue)
-        self.passes += 1
         return reports
 
     def _run(self) -> None:
