@@ -27,8 +27,8 @@ from typing import Any
 
 import click
 
-from . import clock
 from .errors import EmqError
+from .jobs import accepted_content
 from .morgue import DeadJob, Morgue
 from .options import EmqOptions
 from .status import queue_status
@@ -44,13 +44,17 @@ _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
-def _parse_time(value: str | None, option: str) -> int | None:
-    """Read a time option: a duration ago (``90s``, ``30m``, ``2h``, ``7d``) or ISO-8601."""
+def _parse_time(value: str | None, option: str) -> tuple[int, bool] | None:
+    """Read a time option: a duration ago (``90s``, ``30m``, ``2h``, ``7d``) or ISO-8601.
+
+    Returns ``(ms, ago)``: a duration in ms to take from the Redis server's
+    clock (``ago``), or a time in ms since the epoch.
+    """
     if value is None:
         return None
     m = _DURATION.match(value.strip())
     if m:
-        return clock.now_ms() - int(float(m.group(1)) * _UNITS[m.group(2)] * 1000)
+        return int(float(m.group(1)) * _UNITS[m.group(2)] * 1000), True
     try:
         when = datetime.fromisoformat(value)
     except ValueError:
@@ -59,7 +63,26 @@ def _parse_time(value: str | None, option: str) -> int | None:
         ) from None
     if when.tzinfo is None:
         when = when.replace(tzinfo=timezone.utc)
-    return int(when.timestamp() * 1000)
+    return int(when.timestamp() * 1000), False
+
+
+def _on_server_clock(args: dict[str, Any], store: JobStore) -> dict[str, Any]:
+    """Turn the ``since_ms``/``until_ms`` of :func:`_filter_args` into times.
+
+    A duration ago counts back from the Redis server's clock, which every
+    time of death was read on.
+    """
+    out = dict(args)
+    now: int | None = None
+    for key in ("since_ms", "until_ms"):
+        spec = args.get(key)
+        if spec is None:
+            continue
+        ms, ago = spec
+        if ago and now is None:
+            now = store.server_ms()
+        out[key] = (now or 0) - ms if ago else ms
+    return out
 
 
 def _when(ms: int) -> str:
@@ -166,10 +189,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
 
 def _pass(ctx: click.Context, queues: Sequence[str], as_json: bool, reap: bool) -> None:
     with _opened(ctx) as (store, options, app):
-        sweeper = Sweeper(store, options, app=app)
-        names = list(queues) or store.queues()
-        run = sweeper.reap if reap else sweeper.sweep
-        reports = [run(q).as_dict() for q in names]
+        reports = [r.as_dict() for r in Sweeper(store, options, app=app).run(queues, reap)]
 
     kinds = ("reaped",) if reap else ("recovered", "dead")
 
@@ -271,7 +291,8 @@ def _dead_rows(jobs: Sequence[DeadJob]) -> str:
 def dead_ls(ctx: click.Context, /, limit: int | None, as_json: bool, **filters: Any) -> None:
     """List dead jobs, oldest death first."""
     with _opened(ctx) as (store, _options, _app):
-        jobs = Morgue(store).ls(limit=limit, **_filter_args(filters))
+        morgue = Morgue(store, accepted_content(_app))
+        jobs = morgue.ls(limit=limit, **_on_server_clock(_filter_args(filters), store))
     _emit({"jobs": [j.as_dict() for j in jobs]}, as_json, lambda: _dead_rows(jobs))
 
 
@@ -283,7 +304,7 @@ def dead_ls(ctx: click.Context, /, limit: int | None, as_json: bool, **filters: 
 def dead_show(ctx: click.Context, job_id: str, queue: str | None, as_json: bool) -> None:
     """Show one dead job: its task, error and the history of its stalls."""
     with _opened(ctx) as (store, _options, _app):
-        job = Morgue(store).show(job_id, queue)
+        job = Morgue(store, accepted_content(_app)).show(job_id, queue)
     if job is None:
         raise click.ClickException(f"no dead job {job_id!r}")
 
@@ -348,12 +369,12 @@ def dead_retry(
 ) -> None:
     """Retry dead jobs: back to the front of their queue or lane, stall count reset."""
     args = _selected(job_ids, all_, filters)
-    with _opened(ctx) as (store, _options, _app):
-        morgue = Morgue(store)
+    with _opened(ctx) as (store, _options, app):
+        morgue = Morgue(store, accepted_content(app))
         if job_ids:
             retried = morgue.retry(job_ids, rate_per_s=rate, queue=args["queue"])
         else:
-            retried = morgue.retry(rate_per_s=rate, **args)
+            retried = morgue.retry(rate_per_s=rate, **_on_server_clock(args, store))
     missing = sorted(set(job_ids) - set(retried))
     _emit(
         {"retried": retried, "missing": missing},
@@ -387,7 +408,10 @@ def dead_purge(
     if older_than is not None:
         filters["until"] = older_than
     args = _selected(job_ids, all_, filters)
-    with _opened(ctx) as (store, _options, _app):
-        morgue = Morgue(store)
-        n = morgue.purge(job_ids, queue=args["queue"]) if job_ids else morgue.purge(**args)
+    with _opened(ctx) as (store, _options, app):
+        morgue = Morgue(store, accepted_content(app))
+        if job_ids:
+            n = morgue.purge(job_ids, queue=args["queue"])
+        else:
+            n = morgue.purge(**_on_server_clock(args, store))
     _emit({"purged": n}, as_json, lambda: f"purged {n} job(s)")

@@ -12,8 +12,28 @@ from kombu import serialization
 
 #: kombu's (untyped) deserializer, honouring the message's content type.
 deserialize: Callable[..., Any] = serialization.loads
+#: kombu's (untyped) reading of an ``accept_content`` setting into MIME types.
+prepare_accept: Callable[..., Any] = serialization.prepare_accept_content
 
-__all__ = ["JobInfo", "describe"]
+__all__ = ["DEFAULT_ACCEPT", "JobInfo", "accepted_content", "describe"]
+
+#: What is decoded when no app says otherwise: JSON only, never pickle or YAML.
+DEFAULT_ACCEPT: frozenset[str] = frozenset({"application/json"})
+
+
+def accepted_content(app: Any) -> frozenset[str]:
+    """Return the content types ``app`` accepts (its ``accept_content``), as MIME types.
+
+    Without an app, or when its setting cannot be read, only JSON.
+    """
+    if app is None:
+        return DEFAULT_ACCEPT
+    try:
+        names = app.conf.accept_content
+        types = prepare_accept(names) if names else None
+    except Exception:
+        return DEFAULT_ACCEPT
+    return frozenset(types) if types else DEFAULT_ACCEPT
 
 
 @dataclass(frozen=True)
@@ -40,15 +60,36 @@ class JobInfo:
 
 
 def describe(
-    payload: bytes | str, queue: str, job_id: str, stalled: int = 0, reason: str = ""
+    payload: bytes | str,
+    queue: str,
+    job_id: str,
+    stalled: int = 0,
+    reason: str = "",
+    accept: frozenset[str] = DEFAULT_ACCEPT,
 ) -> JobInfo:
     """Decode a stored message far enough to name its task, id and arguments.
 
-    Never raises: what cannot be decoded is reported in ``decode_error``.
+    Only a body whose content type is in ``accept`` (MIME types, see
+    :func:`accepted_content`) is decoded; the task's name and id still come
+    from the message's JSON headers. Never raises: what cannot or may not be
+    decoded is reported in ``decode_error``.
     """
     try:
         message = json.loads(payload)
-        headers = message.get("headers") or {}
+        if not isinstance(message, dict):
+            raise TypeError("the message is not a JSON object")
+    except Exception as exc:
+        return JobInfo(
+            job_id,
+            queue,
+            stalled=stalled,
+            reason=reason,
+            decode_error=f"{type(exc).__name__}: {exc}",
+        )
+    headers = message.get("headers")
+    if not isinstance(headers, dict):
+        headers = {}
+    try:
         props = message.get("properties") or {}
         body = message.get("body")
         if props.get("body_encoding") == "base64" and body is not None:
@@ -57,19 +98,18 @@ def describe(
             body,
             message.get("content-type"),
             message.get("content-encoding") or "utf-8",
-            accept={
-                "application/json",
-                "application/x-python-serialize",
-                "application/x-yaml",
-                "application/x-msgpack",
-            },
+            accept=accept,
         )
     except Exception as exc:
         return JobInfo(
             job_id,
             queue,
+            task_name=_text_or_none(headers.get("task")),
+            task_id=_text_or_none(headers.get("id")),
+            group=_text_or_none(headers.get("emq_group")),
             stalled=stalled,
             reason=reason,
+            headers=headers,
             decode_error=f"{type(exc).__name__}: {exc}",
         )
     args: Any = None
@@ -95,3 +135,7 @@ def describe(
         reason=reason,
         headers=headers,
     )
+
+
+def _text_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) else None

@@ -19,10 +19,18 @@ key                             type    content
 ``<p>:{q}:g:<group>:pending``   ZSET    a fair lane: pending jobs of one group
 ``<p>:{q}:lanes``               ZSET    groups that have a lane (score 0, by name)
 ``<p>:{q}:cursor``              STRING  the lane a claim served last (rotation)
+``<p>:{q}:expires``             STRING  present while an ``x-expires`` queue is in
+                                        use (PX = its TTL, renewed by publish,
+                                        claim and declare); once gone, the sweep
+                                        purges the queue's pending jobs
 ``<p>:{q}:metrics:<name>``      HASH    counters (field ``count``): ``completed``,
-                                        ``recovered``, ``stalled``, ``failed``
-``<p>:queues``                  SET     registry of queue names (no hash tag: read
-                                        by the sweep and the CLI, never by a script)
+                                        ``recovered``, ``stalled``, ``failed``,
+                                        ``retried``
+``<p>:queues``                  SET     registry of task queues: queues that hold
+                                        leased work (no hash tag: read by the
+                                        sweep and the CLI, never by a script)
+``<p>:expiring``                SET     registry of ``x-expires`` queues, for the
+                                        sweep's expiry pass (no hash tag)
 ==============================  ======  ==============================================
 
 ``<p>`` is the key prefix (transport option ``key_prefix``, default ``emq``,
@@ -44,7 +52,8 @@ JOB_FIELDS: tuple[str, ...] = (
     "state",  # pending | active | dead
     "priority",  # 0..9, lower is consumed first (as the stock Redis transport)
     "stalled",  # stall count (HINCRBY), travels with the job
-    "deliveries",  # how many times the job was claimed
+    "deliveries",  # how many times the job was claimed: the latest claim's fencing token
+    "started",  # the token of the latest claim whose task started
     "owner",  # worker identity holding the lease while active
     "enqueued_ms",  # first publish time
     "claimed_ms",  # time of the latest claim
@@ -109,6 +118,10 @@ class QueueKeys:
     def lane(self, group: str) -> str:
         """Return the key of one group's fair lane."""
         return self.base + "g:" + group + ":pending"
+
+    @property
+    def expires(self) -> str:
+        return self.base + "expires"
 
     @property
     def job_prefix(self) -> str:

@@ -1,9 +1,14 @@
-"""Lease renewal: one thread per process renews every lease the process holds.
+"""Lease renewal: one thread per process renews every claim the process holds.
 
 The keeper is process-wide, not per channel, so a lease outlives the channel
 that claimed it: after a broker reconnect the new channel claims under the same
 :func:`worker_identity`, and deliveries of the old channel that are still
 running keep their leases and can still be acked.
+
+A claim is a job id and its fencing token (the job's delivery count at the
+claim). The delivery tag kombu and Celery see is :func:`delivery_tag` of the
+two, so two claims of one job (the same job claimed again after its lease was
+lost) are two deliveries, and a settle always names the claim it belongs to.
 """
 
 from __future__ import annotations
@@ -13,18 +18,43 @@ import os
 import socket
 import threading
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from .store import JobStore
 
-__all__ = ["LeaseKeeper", "keeper", "worker_identity"]
+__all__ = ["Claim", "LeaseKeeper", "delivery_tag", "keeper", "parse_tag", "worker_identity"]
 
 logger = logging.getLogger(__name__)
 
 _identity: str | None = None
 _keeper: LeaseKeeper | None = None
 _lock = threading.Lock()
+
+#: Separates the job id from the claim's token in a delivery tag.
+TAG_SEP = "#"
+
+
+def delivery_tag(job_id: str, token: int) -> str:
+    """Return the delivery tag of one claim: ``<job id>#<token>``."""
+    return f"{job_id}{TAG_SEP}{token}"
+
+
+def parse_tag(tag: str) -> tuple[str, int] | None:
+    """Return ``(job id, token)`` of a claim's delivery tag, or ``None``."""
+    job_id, sep, token = tag.rpartition(TAG_SEP)
+    if not sep or not token.isdigit():
+        return None
+    return job_id, int(token)
+
+
+class Claim(NamedTuple):
+    """One claim a process holds: where the job lives and its fencing token."""
+
+    store: JobStore
+    queue: str
+    job_id: str
+    token: int
 
 
 def worker_identity() -> str:
@@ -57,7 +87,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class LeaseKeeper:
-    """Holds the leases of one process and renews them from a daemon thread.
+    """Holds the claims of one process and renews their leases from a daemon thread.
 
     Args:
         owner: the identity every claim of this process is made under.
@@ -66,18 +96,28 @@ class LeaseKeeper:
     def __init__(self, owner: str) -> None:
         self.owner = owner
         self._lock = threading.Lock()
-        self._held: dict[str, tuple[JobStore, str]] = {}
+        self._held: dict[str, Claim] = {}
         self._lost: set[str] = set()
         self._interval_ms: int | None = None
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self.renewals = 0
 
-    def hold(self, store: JobStore, queue: str, job_ids: list[str], interval_ms: int) -> None:
-        """Start renewing ``job_ids`` of ``queue`` every ``interval_ms`` at most."""
+    def hold(
+        self,
+        store: JobStore,
+        queue: str,
+        claims: list[tuple[str, int]],
+        interval_ms: int,
+    ) -> list[str]:
+        """Start renewing ``claims`` ``(id, token)`` of ``queue``; return their delivery tags."""
+        tags = []
         with self._lock:
-            for job_id in job_ids:
-                self._held[job_id] = (store, queue)
+            for job_id, token in claims:
+                tag = delivery_tag(job_id, token)
+                self._held[tag] = Claim(store, queue, job_id, token)
+                self._lost.discard(tag)
+                tags.append(tag)
             if self._interval_ms is None or interval_ms < self._interval_ms:
                 self._interval_ms = interval_ms
                 self._wake.set()
@@ -86,41 +126,52 @@ class LeaseKeeper:
                     target=self._run, name="celery_emq-lease-keeper", daemon=True
                 )
                 self._thread.start()
+        return tags
 
-    def forget(self, job_id: str) -> tuple[JobStore, str] | None:
-        """Stop renewing a job (acked, released or dead); return where it was held."""
+    def forget(self, tag: str) -> Claim | None:
+        """Stop renewing a claim (settled); return it, or ``None`` if not held."""
         with self._lock:
-            self._lost.discard(job_id)
-            return self._held.pop(job_id, None)
+            self._lost.discard(tag)
+            return self._held.pop(tag, None)
+
+    def get(self, tag: str) -> Claim | None:
+        """Return a held claim without forgetting it."""
+        with self._lock:
+            return self._held.get(tag)
 
     def holds(self, store: JobStore) -> bool:
-        """Return whether any held job belongs to ``store``."""
+        """Return whether any held claim belongs to ``store``."""
         with self._lock:
-            return any(s is store for s, _ in self._held.values())
+            return any(c.store is store for c in self._held.values())
 
     def held_count(self) -> int:
-        """Return how many leases this process holds."""
+        """Return how many claims this process holds."""
         with self._lock:
             return len(self._held)
 
-    def renew_once(self, now_ms: int | None = None) -> list[str]:
-        """Renew every held lease now; return the ids newly found lost."""
-        groups: dict[tuple[int, str], tuple[JobStore, list[str]]] = {}
+    def is_lost(self, tag: str) -> bool:
+        """Return whether a held claim's lease was found lost."""
         with self._lock:
-            for job_id, (store, queue) in self._held.items():
-                if job_id in self._lost:
+            return tag in self._lost
+
+    def renew_once(self, now_ms: int | None = None) -> list[str]:
+        """Renew every held lease now; return the delivery tags newly found lost."""
+        groups: dict[tuple[int, str], tuple[JobStore, list[tuple[str, int]]]] = {}
+        with self._lock:
+            for tag, claim in self._held.items():
+                if tag in self._lost:
                     continue
-                entry = groups.get((id(store), queue))
+                entry = groups.get((id(claim.store), claim.queue))
                 if entry is None:
-                    entry = groups[(id(store), queue)] = (store, [])
-                entry[1].append(job_id)
+                    entry = groups[(id(claim.store), claim.queue)] = (claim.store, [])
+                entry[1].append((claim.job_id, claim.token))
         lost: list[str] = []
-        for (_, queue), (store, ids) in groups.items():
-            lost.extend(store.extend(queue, self.owner, ids, now_ms=now_ms))
+        for (_, queue), (store, claims) in groups.items():
+            lost.extend(delivery_tag(*c) for c in store.extend(queue, claims, now_ms=now_ms))
         self.renewals += 1
         if lost:
             with self._lock:
-                self._lost.update(j for j in lost if j in self._held)
+                self._lost.update(t for t in lost if t in self._held)
             logger.warning(
                 "celery_emq: %d lease(s) were lost before renewal (the job was "
                 "recovered elsewhere): %s",

@@ -20,8 +20,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from . import clock
-from .jobs import describe
+from .jobs import DEFAULT_ACCEPT, accepted_content, describe
 from .store import JobStore
 
 __all__ = ["DeadJob", "Morgue"]
@@ -60,10 +59,14 @@ class Morgue:
 
     Args:
         store: the job store.
+        accept: the content types whose bodies may be decoded to show a job's
+            arguments (MIME types; JSON only by default). Pickle is decoded
+            only when the app accepts it.
     """
 
-    def __init__(self, store: JobStore) -> None:
+    def __init__(self, store: JobStore, accept: frozenset[str] = DEFAULT_ACCEPT) -> None:
         self.store = store
+        self.accept = accept
 
     @classmethod
     @contextmanager
@@ -72,7 +75,7 @@ class Morgue:
         from .tasks import open_store
 
         with open_store(app) as (store, _options):
-            yield cls(store)
+            yield cls(store, accepted_content(app))
 
     def queues(self, queue: str | None = None) -> list[str]:
         """Return the queues to look at: ``[queue]`` or every registered one."""
@@ -152,7 +155,7 @@ class Morgue:
         how many were deleted.
         """
         if older_than_s is not None:
-            filters["until_ms"] = clock.now_ms() - int(older_than_s * 1000)
+            filters["until_ms"] = self.store.server_ms() - int(older_than_s * 1000)
         return sum(
             self.store.purge_dead(queue, ids)
             for queue, ids in self._targets(job_ids, filters).items()
@@ -206,7 +209,7 @@ class Morgue:
                 f: (v.decode() if isinstance(v, bytes) else v)
                 for f, v in zip(fields, row, strict=True)
             }
-            info = describe(text["payload"] or "", queue, job_id)
+            info = describe(text["payload"] or "", queue, job_id, accept=self.accept)
             jobs.append(
                 DeadJob(
                     id=job_id,

@@ -29,6 +29,7 @@ __all__ = [
 SCRIPT_NAMES: tuple[str, ...] = (
     "enqueue",
     "claim",
+    "start",
     "ack",
     "release",
     "extend",
@@ -41,8 +42,10 @@ SCRIPT_NAMES: tuple[str, ...] = (
     "purge_dead",
 )
 
-#: Most ids one ``extend`` call carries (the rest go in further calls).
+#: Most claims one ``extend`` call carries (the rest go in further calls).
 EXTEND_BATCH = 512
+#: Most claims one ``ack`` call carries.
+ACK_BATCH = 500
 #: Most ids one ``retry`` or ``purge_dead`` call carries.
 MORGUE_BATCH = 500
 
@@ -55,6 +58,7 @@ class Outcome(enum.IntEnum):
     LEASE_LOST = 2
     DUPLICATE = 3
     DEAD = 4
+    FENCED = 5
 
 
 class Unset(enum.Enum):
@@ -65,6 +69,11 @@ class Unset(enum.Enum):
 
 #: Marks an argument left to the default (where ``None`` has a meaning of its own).
 UNSET = Unset.UNSET
+
+
+def _time_arg(now_ms: int | None) -> int | str:
+    """``now_ms`` for a script: ``''`` makes the script read the Redis server's clock."""
+    return "" if now_ms is None else now_ms
 
 
 def _budget_arg(max_stalled: int | Unset | None) -> str | int:
@@ -78,7 +87,7 @@ class Swept:
     """One job a sweep examined: what it did and the job's stall count."""
 
     id: str
-    outcome: str  # "recovered" | "dead"
+    outcome: str  # "recovered" | "dead" | "requeued" (lapsed before it started: uncounted)
     stalled: int
     payload: bytes
 
@@ -125,7 +134,7 @@ class Scripts:
         job_id: str,
         payload: str | bytes,
         priority: int,
-        now_ms: int,
+        now_ms: int | None,
         ttl_ms: int = 0,
         max_stalled: int | Unset | None = UNSET,
         group: str = "",
@@ -138,13 +147,13 @@ class Scripts:
         return _outcome(
             self._run(
                 "enqueue",
-                [k.pending, k.wake, k.seq, k.job(job_id), k.lanes, k.base],
+                [k.pending, k.wake, k.seq, k.job(job_id), k.lanes, k.expires, k.base],
                 [
                     job_id,
                     payload,
                     k.queue,
                     priority,
-                    now_ms,
+                    _time_arg(now_ms),
                     ttl_ms,
                     _budget_arg(max_stalled),
                     group,
@@ -156,18 +165,18 @@ class Scripts:
     def claim(
         self,
         k: QueueKeys,
-        now_ms: int,
+        now_ms: int | None,
         lease_ms: int,
         owner: str,
         count: int,
         held: int = 0,
-        no_ack: bool = False,
+        ttl_ms: int = 0,
     ) -> list[Claimed]:
         """Claim up to ``count`` jobs, leasing each to ``owner``."""
         reply = self._run(
             "claim",
-            [k.pending, k.active, k.wake, k.seq, k.head, k.lanes, k.cursor, k.base],
-            [now_ms, lease_ms, owner, count, held, 1 if no_ack else 0],
+            [k.pending, k.active, k.wake, k.seq, k.head, k.lanes, k.cursor, k.expires, k.base],
+            [_time_arg(now_ms), lease_ms, owner, count, held, ttl_ms],
         )
         if len(reply) % 4:
             raise ScriptContractError(f"claim.lua answered {len(reply)} items")
@@ -176,75 +185,118 @@ class Scripts:
             for i in range(0, len(reply), 4)
         ]
 
-    def ack(self, k: QueueKeys, job_id: str, owner: str) -> Outcome:
-        """Delete a finished job."""
-        return _outcome(
-            self._run(
-                "ack",
-                [k.active, k.pending, k.job(job_id), k.metrics("completed"), k.base],
-                [job_id, owner],
-            ),
-            "ack",
-        )
+    def start(self, k: QueueKeys, job_id: str, token: int) -> Outcome:
+        """Record that the claim ``token`` of a job started its task."""
+        return _outcome(self._run("start", [k.job(job_id)], [token]), "start")
 
-    def release(self, k: QueueKeys, job_id: str, owner: str) -> Outcome:
+    def ack(self, k: QueueKeys, claims: Sequence[tuple[str, int]]) -> list[Outcome]:
+        """Delete finished jobs, each named by its claim (id, token); one outcome each."""
+        outcomes: list[Outcome] = []
+        for start in range(0, len(claims), ACK_BATCH):
+            chunk = claims[start : start + ACK_BATCH]
+            reply = self._run(
+                "ack",
+                [k.active, k.pending, k.wake, k.dead, k.metrics("completed"), k.base],
+                [x for claim in chunk for x in claim],
+            )
+            if len(reply) != len(chunk):
+                raise ScriptContractError(f"ack.lua answered {len(reply)} codes")
+            outcomes.extend(_outcome(code, "ack") for code in reply)
+        return outcomes
+
+    def release(self, k: QueueKeys, job_id: str, token: int) -> Outcome:
         """Return a claimed job to the front of ``pending`` without counting a stall."""
         return _outcome(
             self._run(
                 "release",
                 [k.active, k.pending, k.wake, k.head, k.job(job_id), k.lanes, k.base],
-                [job_id, owner],
+                [job_id, token],
             ),
             "release",
         )
 
     def extend(
-        self, k: QueueKeys, owner: str, deadline_ms: int, job_ids: Sequence[str]
-    ) -> list[str]:
-        """Renew leases; return the ids whose lease is lost."""
-        lost: list[str] = []
-        for start in range(0, len(job_ids), EXTEND_BATCH):
-            chunk = job_ids[start : start + EXTEND_BATCH]
-            reply = self._run("extend", [k.active, k.job_prefix], [owner, deadline_ms, *chunk])
-            lost.extend(_text(x) for x in reply)
+        self,
+        k: QueueKeys,
+        lease_ms: int,
+        now_ms: int | None,
+        claims: Sequence[tuple[str, int]],
+    ) -> list[tuple[str, int]]:
+        """Renew the leases of live claims; return the claims that are lost."""
+        lost: list[tuple[str, int]] = []
+        for start in range(0, len(claims), EXTEND_BATCH):
+            chunk = claims[start : start + EXTEND_BATCH]
+            reply = self._run(
+                "extend",
+                [k.active, k.job_prefix],
+                [lease_ms, _time_arg(now_ms), *(x for claim in chunk for x in claim)],
+            )
+            lost.extend((_text(reply[i]), int(reply[i + 1])) for i in range(0, len(reply), 2))
         return lost
 
-    def bury(self, k: QueueKeys, job_id: str, reason: str, error: str, now_ms: int) -> Outcome:
+    def bury(
+        self,
+        k: QueueKeys,
+        job_id: str,
+        token: int,
+        reason: str,
+        error: str,
+        now_ms: int | None,
+    ) -> Outcome:
         """Dead-letter one job into the morgue with a reason."""
         return _outcome(
             self._run(
                 "bury",
-                [k.active, k.pending, k.dead, k.job(job_id), k.metrics("failed"), k.base],
-                [job_id, reason, error, now_ms],
+                [
+                    k.active,
+                    k.pending,
+                    k.wake,
+                    k.dead,
+                    k.job(job_id),
+                    k.metrics("failed"),
+                    k.base,
+                ],
+                [job_id, token, reason, error, _time_arg(now_ms)],
             ),
             "bury",
         )
 
-    def purge(self, k: QueueKeys, limit: int) -> int:
-        """Delete up to ``limit`` pending jobs; return how many went."""
+    def purge(self, k: QueueKeys, limit: int, expired: bool = False) -> int:
+        """Delete up to ``limit`` pending jobs; return how many went.
+
+        With ``expired``, only when the x-expires queue is unused: -1 while in use.
+        """
         return int(
             self._run(
                 "purge",
-                [k.pending, k.wake, k.seq, k.head, k.lanes, k.cursor, k.base],
-                [limit],
+                [k.pending, k.wake, k.seq, k.head, k.lanes, k.cursor, k.expires, k.base],
+                [limit, 1 if expired else 0],
             )
         )
 
     def sweep(
         self,
         k: QueueKeys,
-        now_ms: int,
+        now_ms: int | None,
         limit: int,
         max_stalled: int | None,
         reason: str,
-        owner: str = "",
-        job_ids: Sequence[str] = (),
+        claims: Sequence[tuple[str, int]] = (),
     ) -> list[Swept]:
-        """Count a stall on lapsed (or the named) active jobs; recover or dead-letter each."""
+        """Count a stall on lapsed (or the named) claims; recover or dead-letter each.
+
+        A lapsed claim whose task never started is requeued uncounted.
+        """
         reply = self._run(
             "sweep",
             [k.active, k.pending, k.wake, k.head, k.dead, k.lanes, k.base],
-            [now_ms, limit, -1 if max_stalled is None else max_stalled, reason, owner, *job_ids],
+            [
+                _time_arg(now_ms),
+                limit,
+                -1 if max_stalled is None else max_stalled,
+                reason,
+                *(x for claim in claims for x in claim),
+            ],
         )
         if len(reply) % 4:
             raise ScriptContractError(f"sweep.lua answered {len(reply)} items")
@@ -253,18 +305,24 @@ class Scripts:
             for i in range(0, len(reply), 4)
         ]
 
-    def reap(self, k: QueueKeys, now_ms: int, limit: int) -> list[str]:
+    def reap(self, k: QueueKeys, now_ms: int | None, limit: int) -> list[str]:
         """Return lapsed jobs to the front of ``pending``, uncounted; return their ids."""
         reply = self._run(
-            "reap", [k.active, k.pending, k.wake, k.head, k.lanes, k.base], [now_ms, limit]
+            "reap",
+            [k.active, k.pending, k.wake, k.head, k.lanes, k.base],
+            [_time_arg(now_ms), limit],
         )
         return [_text(x) for x in reply]
 
-    def trim(self, k: QueueKeys, now_ms: int, max_age_ms: int, max_size: int, limit: int) -> int:
+    def trim(
+        self, k: QueueKeys, now_ms: int | None, max_age_ms: int, max_size: int, limit: int
+    ) -> int:
         """Delete dead jobs past the morgue's retention; return how many."""
-        return int(self._run("trim", [k.dead, k.base], [now_ms, max_age_ms, max_size, limit]))
+        return int(
+            self._run("trim", [k.dead, k.base], [_time_arg(now_ms), max_age_ms, max_size, limit])
+        )
 
-    def retry(self, k: QueueKeys, now_ms: int, job_ids: Sequence[str]) -> list[str]:
+    def retry(self, k: QueueKeys, now_ms: int | None, job_ids: Sequence[str]) -> list[str]:
         """Move dead jobs back to the front of their queue or lane; return those moved."""
         moved: list[str] = []
         for start in range(0, len(job_ids), MORGUE_BATCH):
@@ -272,7 +330,7 @@ class Scripts:
             reply = self._run(
                 "retry",
                 [k.dead, k.pending, k.wake, k.head, k.lanes, k.base],
-                [now_ms, *chunk],
+                [_time_arg(now_ms), *chunk],
             )
             moved.extend(_text(x) for x in reply)
         return moved

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from . import clock
 from .store import JobStore
 
 __all__ = ["queue_status"]
@@ -21,7 +20,7 @@ def queue_status(store: JobStore, queue: str, now_ms: int | None = None) -> dict
     (a worker holds them leased until then). Ages are read from at most
     ``SAMPLE`` rows each: the longest-held leases and the jobs next in line.
     """
-    now = clock.now_ms() if now_ms is None else now_ms
+    now = store.server_ms() if now_ms is None else now_ms
     k = store.keys(queue)
     counts = store.counts(queue)
     lanes = store.lanes(queue)

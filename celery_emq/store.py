@@ -1,7 +1,9 @@
 """The job store: every queue transition, over Redis only (no kombu here).
 
-Each method is one atomic Lua transition (see ``lua/``). Time comes from the
-clock seam unless the caller passes ``now_ms``, which is how tests move time.
+Each method is one atomic Lua transition (see ``lua/``). Time is the Redis
+server's clock (the scripts read ``TIME``), so workers on hosts whose clocks
+disagree still agree on every deadline; a caller that passes ``now_ms`` sets
+the time instead, which is how tests move it.
 """
 
 from __future__ import annotations
@@ -9,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from . import clock
 from .keys import QueueKeys
 from .scripts import UNSET, Claimed, Outcome, Scripts, Swept, Unset
 
@@ -57,17 +58,11 @@ class JobStore:
 
         ``max_stalled`` gives this job its own stall budget (``None``: never
         dead-letter); left unset, the sweep's default applies. A ``group``
-        puts the job in that group's fair lane.
+        puts the job in that group's fair lane. ``ttl_ms`` marks the queue as
+        an ``x-expires`` queue in use.
         """
         return self.scripts.enqueue(
-            self.keys(queue),
-            job_id,
-            payload,
-            priority,
-            _now(now_ms),
-            ttl_ms,
-            max_stalled,
-            group,
+            self.keys(queue), job_id, payload, priority, now_ms, ttl_ms, max_stalled, group
         )
 
     def claim(
@@ -76,36 +71,61 @@ class JobStore:
         owner: str,
         count: int = 1,
         held: int = 0,
-        no_ack: bool = False,
+        ttl_ms: int = 0,
         now_ms: int | None = None,
     ) -> list[Claimed]:
-        """Claim up to ``count`` jobs in priority/FIFO order under a lease."""
+        """Claim up to ``count`` jobs in priority/FIFO order under a lease.
+
+        Each :class:`Claimed` carries its fencing token (``deliveries``), which
+        every later settle of that claim names.
+        """
         return self.scripts.claim(
-            self.keys(queue), _now(now_ms), self.lease_ms, owner, count, held, no_ack
+            self.keys(queue), now_ms, self.lease_ms, owner, count, held, ttl_ms
         )
 
-    def ack(self, queue: str, job_id: str, owner: str) -> Outcome:
-        """Delete a finished job."""
-        return self.scripts.ack(self.keys(queue), job_id, owner)
+    def start(self, queue: str, job_id: str, token: int) -> Outcome:
+        """Record that a claim's task started: a lapse of that claim is then a stall."""
+        return self.scripts.start(self.keys(queue), job_id, token)
 
-    def release(self, queue: str, job_id: str, owner: str) -> Outcome:
+    def ack(self, queue: str, job_id: str, token: int) -> Outcome:
+        """Delete a finished job (see :meth:`ack_many` for the outcomes)."""
+        return self.scripts.ack(self.keys(queue), [(job_id, token)])[0]
+
+    def ack_many(self, queue: str, claims: Sequence[tuple[str, int]]) -> list[Outcome]:
+        """Delete finished jobs, each named by its claim ``(id, token)``.
+
+        ``OK`` for a live claim; ``LEASE_LOST`` or ``DEAD`` when the claim had
+        lapsed and the job was pending again or dead-lettered (it completed, so
+        it is deleted either way); ``FENCED`` when a newer claim holds the job
+        (left to that claim); ``NOT_FOUND`` when it is gone.
+        """
+        if not claims:
+            return []
+        return self.scripts.ack(self.keys(queue), claims)
+
+    def release(self, queue: str, job_id: str, token: int) -> Outcome:
         """Put a claimed job back at the front of its queue, uncounted."""
-        return self.scripts.release(self.keys(queue), job_id, owner)
+        return self.scripts.release(self.keys(queue), job_id, token)
 
     def extend(
-        self, queue: str, owner: str, job_ids: Sequence[str], now_ms: int | None = None
-    ) -> list[str]:
-        """Renew the leases of ``job_ids``; return those that are lost."""
-        if not job_ids:
+        self, queue: str, claims: Sequence[tuple[str, int]], now_ms: int | None = None
+    ) -> list[tuple[str, int]]:
+        """Renew the leases of ``claims`` ``(id, token)``; return those that are lost."""
+        if not claims:
             return []
-        deadline = _now(now_ms) + self.lease_ms
-        return self.scripts.extend(self.keys(queue), owner, deadline, job_ids)
+        return self.scripts.extend(self.keys(queue), self.lease_ms, now_ms, claims)
 
     def bury(
-        self, queue: str, job_id: str, reason: str, error: str = "", now_ms: int | None = None
+        self,
+        queue: str,
+        job_id: str,
+        token: int,
+        reason: str,
+        error: str = "",
+        now_ms: int | None = None,
     ) -> Outcome:
-        """Dead-letter a job into the queue's morgue with a reason."""
-        return self.scripts.bury(self.keys(queue), job_id, reason, error, _now(now_ms))
+        """Dead-letter a job into the queue's morgue with a reason (fenced by ``token``)."""
+        return self.scripts.bury(self.keys(queue), job_id, token, reason, error, now_ms)
 
     def sweep(
         self,
@@ -115,36 +135,38 @@ class JobStore:
         limit: int = 500,
         now_ms: int | None = None,
     ) -> list[Swept]:
-        """Count a stall on up to ``limit`` lapsed jobs; recover or dead-letter each.
+        """Examine up to ``limit`` lapsed claims: count a stall on each that started.
 
-        A job is recovered (to the front of its queue) while its stall count is at
-        most its budget, and dead-lettered past it. ``max_stalled`` is the budget
-        of jobs that carry none of their own; ``None`` never dead-letters.
+        A started job is recovered (to the front of its queue) while its stall
+        count is at most its budget, and dead-lettered past it. A job whose task
+        never started under the lapsed claim is requeued uncounted.
+        ``max_stalled`` is the budget of jobs that carry none of their own;
+        ``None`` never dead-letters.
         """
-        return self.scripts.sweep(self.keys(queue), _now(now_ms), limit, max_stalled, reason)
+        return self.scripts.sweep(self.keys(queue), now_ms, limit, max_stalled, reason)
 
     def charge(
         self,
         queue: str,
         job_id: str,
-        owner: str,
+        token: int,
         max_stalled: int | None,
         reason: str,
         now_ms: int | None = None,
     ) -> Swept | None:
-        """Count one stall on a job this owner holds now (its worker process was lost).
+        """Count one stall on a live claim whose worker process was lost.
 
-        Returns what the sweep did with it, or ``None`` when the owner no longer
-        holds the job.
+        Returns what the sweep did with it, or ``None`` when the claim is no
+        longer the job's live claim (fenced: nothing changes).
         """
         swept = self.scripts.sweep(
-            self.keys(queue), _now(now_ms), 1, max_stalled, reason, owner, [job_id]
+            self.keys(queue), now_ms, 1, max_stalled, reason, [(job_id, token)]
         )
         return swept[0] if swept else None
 
     def reap(self, queue: str, limit: int = 500, now_ms: int | None = None) -> list[str]:
         """Return up to ``limit`` lapsed jobs to the front of their queue, uncounted."""
-        return self.scripts.reap(self.keys(queue), _now(now_ms), limit)
+        return self.scripts.reap(self.keys(queue), now_ms, limit)
 
     def trim(
         self,
@@ -157,22 +179,85 @@ class JobStore:
         """Apply the morgue's retention (0 disables a bound); return how many went."""
         total = 0
         while True:
-            n = self.scripts.trim(self.keys(queue), _now(now_ms), max_age_ms, max_size, limit)
+            n = self.scripts.trim(self.keys(queue), now_ms, max_age_ms, max_size, limit)
             total += n
             if n < limit:
                 return total
 
     def retry(self, queue: str, job_ids: Sequence[str], now_ms: int | None = None) -> list[str]:
         """Bring dead jobs back to the front of their queue or lane, stall count reset."""
-        return self.scripts.retry(self.keys(queue), _now(now_ms), job_ids)
+        return self.scripts.retry(self.keys(queue), now_ms, job_ids)
 
     def purge_dead(self, queue: str, job_ids: Sequence[str]) -> int:
         """Delete dead jobs by id; return how many went."""
         return self.scripts.purge_dead(self.keys(queue), job_ids)
 
     def register(self, queue: str) -> None:
-        """Record a queue in the registry the sweep and the CLI iterate."""
+        """Record a task queue in the registry the sweep and the CLI iterate."""
         self.client.sadd(self.registry_key, queue)
+
+    def unregister_unused(self, queues: Sequence[str]) -> list[str]:
+        """Drop from the registry those of ``queues`` that hold no key at all.
+
+        A task queue that ever completed a job keeps its counters, so only
+        queues that never held leased work (a reply queue registered by an
+        older version, a queue purged before any job ran) go. Returns them.
+        """
+        unused = [q for q, n in zip(queues, self._key_counts(queues), strict=True) if not n]
+        if unused:
+            self.client.srem(self.registry_key, *unused)
+        return unused
+
+    def _key_counts(self, queues: Sequence[str]) -> list[int]:
+        names = ("completed", "recovered", "stalled", "failed", "retried")
+        with self.client.pipeline(transaction=False) as pipe:
+            for q in queues:
+                k = self.keys(q)
+                pipe.exists(k.pending, k.active, k.dead, k.lanes, *(k.metrics(n) for n in names))
+            return [int(n) for n in pipe.execute()]
+
+    def declare_expiring(self, queue: str, ttl_ms: int) -> None:
+        """Record an ``x-expires`` queue and mark it in use for ``ttl_ms``."""
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.set(self.keys(queue).expires, 1, px=ttl_ms)
+            pipe.sadd(self.expiring_key, queue)
+            pipe.execute()
+
+    def note_expiring(self, queue: str) -> None:
+        """Record an ``x-expires`` queue in the registry the expiry pass reads."""
+        self.client.sadd(self.expiring_key, queue)
+
+    def expire(self, limit: int = PURGE_BATCH) -> dict[str, int]:
+        """Purge the pending jobs of every ``x-expires`` queue left unused past its TTL.
+
+        Leased jobs finish (their acks still land); a queue with nothing left
+        leaves the registry. Returns the number of jobs purged per queue.
+        """
+        purged: dict[str, int] = {}
+        for queue in sorted(_text(q) for q in self.client.smembers(self.expiring_key)):
+            k = self.keys(queue)
+            total = 0
+            while True:
+                n = self.scripts.purge(k, limit, expired=True)
+                if n < limit:
+                    break
+                total += n
+            if n < 0:
+                continue  # still in use
+            total += n
+            if total:
+                purged[queue] = total
+            if not self.client.exists(k.pending, k.active, k.dead, k.lanes):
+                self.client.srem(self.expiring_key, queue)
+                # A publish may have used the queue since: keep it registered then.
+                if self.client.exists(k.expires):
+                    self.client.sadd(self.expiring_key, queue)
+        return purged
+
+    @property
+    def expiring_key(self) -> str:
+        """``<p>:expiring``: the SET of ``x-expires`` queue names (outside any hash tag)."""
+        return f"{self.prefix}:expiring"
 
     def queues(self) -> list[str]:
         """Return the registered queue names, sorted."""
@@ -246,14 +331,15 @@ class JobStore:
         k = self.keys(queue)
         return bool(self.client.exists(k.pending, k.active, k.lanes))
 
+    def server_ms(self) -> int:
+        """Return the Redis server's clock in ms: the time every deadline is read on."""
+        seconds, micros = self.client.time()
+        return int(seconds) * 1000 + int(micros) // 1000
+
     def job(self, queue: str, job_id: str) -> dict[str, str]:
         """Return one job's row, decoded (empty when there is none)."""
         row = self.client.hgetall(self.keys(queue).job(job_id))
         return {_text(f): _text(v) for f, v in row.items()}
-
-
-def _now(now_ms: int | None) -> int:
-    return clock.now_ms() if now_ms is None else now_ms
 
 
 def _text(value: bytes | str) -> str:

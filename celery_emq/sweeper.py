@@ -13,12 +13,12 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from . import clock
 from .errors import StalledJobError
-from .jobs import JobInfo, describe
+from .jobs import JobInfo, accepted_content, describe
 from .options import EmqOptions
 from .scripts import Outcome, Swept
 from .signals import job_dead_lettered, job_recovered, job_stalled
@@ -40,6 +40,8 @@ class SweepReport:
     recovered: list[str] = field(default_factory=list)
     dead: list[str] = field(default_factory=list)
     reaped: list[str] = field(default_factory=list)
+    #: Lapsed before their task started: back in line, no stall counted.
+    requeued: list[str] = field(default_factory=list)
     trimmed: int = 0
 
     def as_dict(self) -> dict[str, Any]:
@@ -90,11 +92,26 @@ class Sweeper:
                 break
         return report
 
+    def run(self, queues: Sequence[str] = (), reap: bool = False) -> list[SweepReport]:
+        """One pass, as beat's task and ``celery emq sweep`` run it.
+
+        Sweeps (or reaps) ``queues``, or every registered task queue; then
+        drops registered queues that never held leased work and expires
+        unused ``x-expires`` queues.
+        """
+        names = list(queues) or self.store.queues()
+        run = self.reap if reap else self.sweep
+        reports = [run(q) for q in names]
+        if not queues:
+            self.store.unregister_unused(names)
+        self.expire()
+        return reports
+
     def charge(
-        self, queue: str, job_id: str, owner: str, reason: str, max_stalled: int | None
+        self, queue: str, job_id: str, token: int, reason: str, max_stalled: int | None
     ) -> Swept | None:
-        """Count one stall on a job its owner lost (a pool process died)."""
-        swept = self.store.charge(queue, job_id, owner, max_stalled, reason)
+        """Count one stall on a live claim whose pool process died (fenced by ``token``)."""
+        swept = self.store.charge(queue, job_id, token, max_stalled, reason)
         if swept is not None:
             report = SweepReport(queue)
             self._after(queue, [swept], report, reason)
@@ -102,16 +119,32 @@ class Sweeper:
                 self.trim(queue)
         return swept
 
-    def bury(self, queue: str, job_id: str, reason: str, error: str) -> bool:
+    def bury(self, queue: str, job_id: str, token: int, reason: str, error: str) -> bool:
         """Dead-letter one job that cannot or will not run; return whether it moved.
 
+        Fenced by the claim's ``token``: a newer claim of the job is left alone.
         Sends ``job_dead_lettered`` with the reason and applies the morgue's
         retention. (Celery itself records the task's failure in these cases.)
         """
-        if self.store.bury(queue, job_id, reason, error) is not Outcome.OK:
+        outcome = self.store.bury(queue, job_id, token, reason, error)
+        if outcome is not Outcome.OK:
+            logger.warning(
+                "celery_emq: job %s in %s not dead-lettered (%s): %s",
+                job_id,
+                queue,
+                reason,
+                outcome.name,
+            )
             return False
         row = self.store.job(queue, job_id)
-        info = describe(row.get("payload", ""), queue, job_id, int(row.get("stalled", 0)), reason)
+        info = describe(
+            row.get("payload", ""),
+            queue,
+            job_id,
+            int(row.get("stalled", 0)),
+            reason,
+            accept=self.accept,
+        )
         logger.error(
             "celery_emq: job %s dead-lettered from %s: %s %s", job_id, queue, reason, error
         )
@@ -128,9 +161,21 @@ class Sweeper:
             now_ms=now_ms,
         )
 
+    @property
+    def accept(self) -> frozenset[str]:
+        """Content types decoded to describe a job: the app's ``accept_content``."""
+        return accepted_content(self.app or _current_app())
+
+    def expire(self) -> dict[str, int]:
+        """Purge ``x-expires`` queues left unused past their TTL; see :meth:`JobStore.expire`."""
+        return self.store.expire()
+
     def _after(self, queue: str, swept: list[Swept], report: SweepReport, reason: str) -> None:
         for job in swept:
-            info = describe(job.payload, queue, job.id, job.stalled, reason)
+            if job.outcome == "requeued":
+                report.requeued.append(job.id)
+                continue
+            info = describe(job.payload, queue, job.id, job.stalled, reason, accept=self.accept)
             _send(job_stalled, info)
             if job.outcome == "dead":
                 report.dead.append(job.id)
@@ -243,15 +288,22 @@ class SweepThread:
                 del self._queues[key]
 
     def run_once(self, now_ms: int | None = None) -> list[SweepReport]:
-        """Sweep every watched queue once."""
+        """Sweep every watched queue once, then expire unused ``x-expires`` queues."""
         with self._lock:
             targets = list(self._queues.values())
         reports = []
+        stores: dict[int, Sweeper] = {}
         for sweeper, queue in targets:
+            stores.setdefault(id(sweeper.store), sweeper)
             try:
                 reports.append(sweeper.sweep(queue, now_ms))
             except Exception:
                 logger.exception("celery_emq: sweep of %s failed; retrying next pass", queue)
+        for sweeper in stores.values():
+            try:
+                sweeper.expire()
+            except Exception:
+                logger.exception("celery_emq: expiry pass failed; retrying next pass")
         return reports
 
     def _run(self) -> None:
@@ -259,7 +311,8 @@ class SweepThread:
             self._wake.wait(self._interval_s or 5.0)
             self._wake.clear()
             if self._queues:
-                self.run_once(clock.now_ms())
+                # No time given: the scripts read the Redis server's clock.
+                self.run_once()
 
 
 _sweep_thread: SweepThread | None = None

@@ -54,10 +54,8 @@ def sweep(self: Any, queues: Sequence[str] | None = None, reap: bool = False) ->
     Returns a report per queue: recovered, dead and reaped job ids, trimmed count.
     """
     with open_store(self.app) as (store, options):
-        sweeper = Sweeper(store, options, app=self.app)
-        names = list(queues) if queues else store.queues()
-        run = sweeper.reap if reap else sweeper.sweep
-        return {q: run(q).as_dict() for q in names}
+        reports = Sweeper(store, options, app=self.app).run(queues or (), reap)
+        return {r.queue: r.as_dict() for r in reports}
 
 
 def schedule_sweep(

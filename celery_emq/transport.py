@@ -15,17 +15,24 @@ from time import monotonic
 from typing import Any
 
 import redis
+from kombu.serialization import TRUSTED_CONTENT
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 
-from .lease import keeper
+from .lease import Claim, keeper
 from .options import EmqOptions
 from .scripts import UNSET, Claimed, Outcome, Unset
 from .store import JobStore
 from .sweeper import Sweeper, sweep_thread
-from .worker_state import WORKER_LOST, install_worker_probes, pop_mark, started_delivery_tags
+from .worker_state import (
+    CLAIM_HEADER,
+    WORKER_LOST,
+    install_worker_probes,
+    pop_mark,
+    started_delivery_tags,
+)
 
 __all__ = ["Channel", "QoS", "Transport"]
 
@@ -39,6 +46,11 @@ DELIVERIES_HEADER = "emq_deliveries"
 BUDGET_OPTION = "emq_max_stalled"
 #: Header (at publish) naming the fair-lane group a job waits in.
 GROUP_HEADER = "emq_group"
+#: The reason a message whose content type the consumer refuses is dead-lettered with.
+CONTENT_DISALLOWED = "content_disallowed"
+#: How often a channel records again that a queue it publishes to or consumes is a
+#: task queue (the registry may have dropped it while it was empty).
+REGISTER_EVERY_S = 60.0
 
 
 class QoS(kombu_redis.QoS):
@@ -117,12 +129,15 @@ class Channel(kombu_redis.Channel):
         if connection.client.transport_cls == "emqs" and not connection.client.ssl:
             self.connection_class = self.connection_class_ssl
         self._no_ack: dict[str, bool] = {}
+        self._accept: dict[str, Any] = {}
+        self._queue_ttl: dict[str, int] = {}
         self._wake_queues: dict[str, str] = {}
         self._store: JobStore | None = None
         self._store_pool: Any = None
         self._sweeper: Sweeper | None = None
-        self._registered_queues: set[str] = set()
+        self._registered_at: dict[str, float] = {}
         self._budgets: dict[str, int | Unset | None] = {}
+        self._scanned_at = monotonic()
         super().__init__(connection, *args, **kwargs)
         # Inside a Celery worker, before it binds its message handlers: see
         # what its handling of lost processes and refused messages decides.
@@ -154,13 +169,26 @@ class Channel(kombu_redis.Channel):
         return self._sweeper
 
     def _register(self, queue: str) -> None:
-        if queue not in self._registered_queues:
+        """Record a task queue in the registry, again at most every REGISTER_EVERY_S."""
+        now = monotonic()
+        if now - self._registered_at.get(queue, -REGISTER_EVERY_S) >= REGISTER_EVERY_S:
             self.store.register(queue)
-            self._registered_queues.add(queue)
+            self._registered_at[queue] = now
 
     @property
     def owner(self) -> str:
         return keeper().owner
+
+    # -- declaring -------------------------------------------------------
+
+    def _new_queue(self, queue: str, auto_delete: bool = False, **kwargs: Any) -> None:
+        super()._new_queue(queue, auto_delete=auto_delete, **kwargs)
+        ttl_ms = _queue_ttl_ms(kwargs)
+        if ttl_ms:
+            self._queue_ttl[queue] = ttl_ms
+            self.store.declare_expiring(queue, ttl_ms)
+        else:
+            self._queue_ttl.pop(queue, None)
 
     # -- publishing ------------------------------------------------------
 
@@ -173,13 +201,11 @@ class Channel(kombu_redis.Channel):
         job_id = props.get("delivery_tag") or uuid.uuid4().hex
         props["delivery_tag"] = job_id
         priority = self._get_message_priority(message, reverse=False)
-        ttl_ms = self._expires.get(queue, 0)
+        ttl_ms = self._queue_ttl.get(queue, 0)
         headers = message.get("headers") or {}
         budget: int | Unset | None = UNSET
         if BUDGET_OPTION in headers:
             budget = _budget(headers[BUDGET_OPTION])
-        if not ttl_ms:
-            self._register(queue)
         group = headers.get(GROUP_HEADER) or ""
         if not isinstance(group, str):
             group = str(group)
@@ -188,12 +214,23 @@ class Channel(kombu_redis.Channel):
         )
         if outcome is Outcome.DUPLICATE:
             logger.debug("celery_emq: job %s already in %s; publish ignored", job_id, queue)
+        if ttl_ms:
+            self.store.note_expiring(queue)
+        elif "task" in headers:
+            # A Celery task message: its queue holds work to recover and to
+            # show. Replies (remote control, rpc:// results) carry no task.
+            self._register(queue)
 
     # -- consuming -------------------------------------------------------
 
-    def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
+    def basic_consume(
+        self, queue: str, no_ack: bool, callback: Any, consumer_tag: str, **kwargs: Any
+    ) -> Any:
         self._no_ack[queue] = bool(no_ack)
-        ret = super().basic_consume(queue, no_ack, *args, **kwargs)
+        # kombu's Consumer hands its bound receive callback: its ``accept`` is
+        # the content the consumer will decode (Celery's accept_content).
+        self._accept[queue] = getattr(getattr(callback, "__self__", None), "accept", None)
+        ret = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
         if not no_ack and queue not in self._fanout_queues:
             # A consuming process sweeps what it consumes: recovery needs no
             # other process.
@@ -202,19 +239,25 @@ class Channel(kombu_redis.Channel):
         return ret
 
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
-        payloads = self._claim(queue, 1, held=0, no_ack=no_ack)
-        if not payloads:
+        claimed = self._claim(queue, 1, held=0)
+        if not claimed:
             return None
-        message = self.Message(payloads[0], channel=self)
+        payload, tag = claimed[0]
+        if no_ack:
+            self._settle(tag)
+        message = self.Message(payload, channel=self)
         if not no_ack:
             self.qos.append(message, message.delivery_tag)
         return message
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
-        payloads = self._claim(queue, 1, held=0, no_ack=False)
-        if not payloads:
+        claimed = self._claim(queue, 1, held=0)
+        if not claimed:
             raise Empty()
-        return payloads[0]
+        payload, tag = claimed[0]
+        if self._no_ack.get(queue, False):
+            self._settle(tag)
+        return payload
 
     def _brpop_start(self, timeout: float | None = None) -> None:
         if timeout is None:
@@ -249,46 +292,83 @@ class Channel(kombu_redis.Channel):
 
     def _brpop_read(self, **options: Any) -> bool:
         queue = self._brpop_reply(**options)
+        delivered = False
         if queue is not None:
             self._queue_cycle.rotate(queue)
-            if self._claim_and_deliver(queue, held=1):
-                return True
-            raise Empty()
-        # The wait timed out. A marker can be lost (a consumer killed between
-        # its BRPOP and its claim), so look once at every queue before waiting
-        # again: a stranded job waits at most one BRPOP timeout. An idle queue
-        # costs one EXISTS here, not a claim.
-        for q in self.store.waiting(self.active_queues):
-            if self._claim_and_deliver(q, held=0):
-                return True
+            delivered = self._claim_and_deliver(queue, held=1)
+        # A marker can be lost (a consumer killed between its BRPOP and its
+        # claim), so look at every queue after a wait timed out, and at least
+        # once a scan interval however busy another queue keeps the BRPOP: a
+        # stranded job waits at most about one interval. An idle queue costs
+        # one EXISTS here, not a claim.
+        now = monotonic()
+        if queue is None or now - self._scanned_at >= self._scan_interval_s:
+            self._scanned_at = now
+            for q in self.store.waiting(self.active_queues):
+                if self._claim_and_deliver(q, held=0):
+                    delivered = True
+        if delivered:
+            return True
         raise Empty()
 
+    @property
+    def _scan_interval_s(self) -> float:
+        return float(self.brpop_timeout or 1)
+
     def _claim_and_deliver(self, queue: str, held: int) -> bool:
+        """Claim a batch and hand each message to the consumer.
+
+        A batch reaches the consumer or goes back: if a delivery raises, the
+        claims not yet delivered are released at once (uncounted) before the
+        error propagates. A no-ack consumer's deliveries are deleted once
+        handed over, in one call for the batch.
+        """
         budget = self.qos.can_consume_max_estimate()
         count = self.emq.claim_batch if budget is None else min(budget, self.emq.claim_batch)
         if count <= 0:
             if held:
                 self._give_back_marker(queue)
             return False
-        payloads = self._claim(queue, count, held, self._no_ack.get(queue, False))
-        for payload in payloads:
-            self.connection._deliver(payload, queue)
-        return bool(payloads)
+        no_ack = self._no_ack.get(queue, False)
+        claimed = self._claim(queue, count, held)
+        delivered = 0
+        try:
+            for payload, _tag in claimed:
+                self.connection._deliver(payload, queue)
+                delivered += 1
+        except BaseException:
+            # The delivery that raised may not have reached the QoS; the rest
+            # surely did not. Both go back now, not when their leases lapse.
+            for _payload, tag in claimed[delivered:]:
+                if tag not in self.qos._delivered:
+                    self._release(tag)
+            raise
+        finally:
+            if no_ack:
+                self._settle_many([tag for _payload, tag in claimed[:delivered]])
+        return bool(claimed)
 
-    def _claim(self, queue: str, count: int, held: int, no_ack: bool) -> list[dict[str, Any]]:
-        claimed = self.store.claim(queue, self.owner, count, held=held, no_ack=no_ack)
+    def _claim(self, queue: str, count: int, held: int) -> list[tuple[dict[str, Any], str]]:
+        """Claim up to ``count`` jobs; return each decodable one's payload and delivery tag."""
+        claimed = self.store.claim(
+            queue, self.owner, count, held=held, ttl_ms=self._queue_ttl.get(queue, 0)
+        )
         if not claimed:
             return []
-        if not no_ack:
-            keeper().hold(self.store, queue, [c.id for c in claimed], self.emq.renew_interval_ms)
-        payloads = []
-        for job in claimed:
-            payload = self._decode(queue, job)
+        tags = keeper().hold(
+            self.store,
+            queue,
+            [(c.id, c.deliveries) for c in claimed],
+            self.emq.renew_interval_ms,
+        )
+        out = []
+        for job, tag in zip(claimed, tags, strict=True):
+            payload = self._decode(queue, job, tag)
             if payload is not None:
-                payloads.append(payload)
-        return payloads
+                out.append((payload, tag))
+        return out
 
-    def _decode(self, queue: str, job: Claimed) -> dict[str, Any] | None:
+    def _decode(self, queue: str, job: Claimed, tag: str) -> dict[str, Any] | None:
         """Turn a claimed job into a kombu message; dead-letter what cannot be."""
         try:
             payload = loads(bytes_to_str(job.payload))
@@ -298,10 +378,15 @@ class Channel(kombu_redis.Channel):
                 raise TypeError("properties and headers must be objects")
         except Exception as exc:
             logger.error("celery_emq: job %s in %s cannot be decoded: %r", job.id, queue, exc)
-            keeper().forget(job.id)
-            self.sweeper.bury(queue, job.id, "malformed", f"{type(exc).__name__}: {exc}")
+            self._bury(tag, "malformed", f"{type(exc).__name__}: {exc}")
             return None
-        props["delivery_tag"] = job.id
+        refused = _refused_content(payload.get("content-type"), self._accept.get(queue))
+        if refused:
+            logger.error("celery_emq: job %s in %s refused: %s", job.id, queue, refused)
+            self._bury(tag, CONTENT_DISALLOWED, refused)
+            return None
+        props["delivery_tag"] = tag
+        headers[CLAIM_HEADER] = [queue, job.id, job.deliveries]
         if BUDGET_OPTION not in headers:
             self._apply_task_budget(queue, job.id, headers.get("task"))
         if job.deliveries > 1 or job.stalled:
@@ -309,6 +394,10 @@ class Channel(kombu_redis.Channel):
             headers[STALLED_HEADER] = job.stalled
             headers[DELIVERIES_HEADER] = job.deliveries
             props.setdefault("delivery_info", {})["redelivered"] = True
+        else:
+            # A header copied from an earlier message (a retry) says nothing of this job.
+            headers.pop(STALLED_HEADER, None)
+            headers.pop(DELIVERIES_HEADER, None)
         return payload  # type: ignore[no-any-return]
 
     def _apply_task_budget(self, queue: str, job_id: str, task_name: Any) -> None:
@@ -327,36 +416,51 @@ class Channel(kombu_redis.Channel):
         self.store.client.lpush(self.store.keys(queue).wake, 1)
 
     # -- settling --------------------------------------------------------
+    #
+    # Every settle names its claim (job id and token): a settle whose claim is
+    # no longer the job's live claim never changes the live claim of another.
 
     def _settle(self, tag: str) -> None:
-        held = keeper().forget(tag)
-        if held is None:
-            return
-        store, queue = held
-        outcome = store.ack(queue, tag, self.owner)
-        if outcome is not Outcome.OK:
-            logger.warning("celery_emq: ack of %s in %s: %s", tag, queue, outcome.name)
+        self._settle_many([tag])
+
+    def _settle_many(self, tags: list[str]) -> None:
+        by_queue: dict[tuple[int, str], list[Claim]] = {}
+        for tag in tags:
+            claim = keeper().forget(tag)
+            if claim is not None:
+                by_queue.setdefault((id(claim.store), claim.queue), []).append(claim)
+        for claims in by_queue.values():
+            store, queue = claims[0].store, claims[0].queue
+            outcomes = store.ack_many(queue, [(c.job_id, c.token) for c in claims])
+            for claim, outcome in zip(claims, outcomes, strict=True):
+                if outcome is not Outcome.OK:
+                    logger.warning(
+                        "celery_emq: ack of %s in %s (claim %d): %s",
+                        claim.job_id,
+                        queue,
+                        claim.token,
+                        _ACK_OUTCOMES.get(outcome, outcome.name),
+                    )
 
     def _release(self, tag: str) -> None:
-        held = keeper().forget(tag)
-        if held is None:
+        claim = keeper().forget(tag)
+        if claim is None:
             return
-        store, queue = held
-        store.release(queue, tag, self.owner)
+        claim.store.release(claim.queue, claim.job_id, claim.token)
 
     def _bury(self, tag: str, reason: str, error: str) -> None:
-        held = keeper().forget(tag)
-        if held is None:
+        claim = keeper().forget(tag)
+        if claim is None:
             return
-        store, queue = held
-        Sweeper(store, self.emq).bury(queue, tag, reason, error)
+        Sweeper(claim.store, self.emq).bury(claim.queue, claim.job_id, claim.token, reason, error)
 
     def _charge(self, tag: str, reason: str) -> None:
-        held = keeper().forget(tag)
-        if held is None:
+        claim = keeper().forget(tag)
+        if claim is None:
             return
-        store, queue = held
-        Sweeper(store, self.emq).charge(queue, tag, self.owner, reason, self.emq.max_stalled)
+        Sweeper(claim.store, self.emq).charge(
+            claim.queue, claim.job_id, claim.token, reason, self.emq.max_stalled
+        )
 
     def _restore(self, message: Any, leftmost: bool = False) -> None:
         self._release(message.delivery_tag)
@@ -393,6 +497,35 @@ class Channel(kombu_redis.Channel):
                 self._store_pool.disconnect()
 
 
+_ACK_OUTCOMES = {
+    Outcome.LEASE_LOST: "the lease had lapsed; the job completed, so it was deleted from pending",
+    Outcome.DEAD: "the lease had lapsed; the job completed, so it left the morgue",
+    Outcome.FENCED: "a newer claim holds the job; left to it",
+    Outcome.NOT_FOUND: "already gone",
+}
+
+
+def _queue_ttl_ms(kwargs: dict[str, Any]) -> int:
+    """Return a queue's ``x-expires`` (ms) from its declare arguments, or 0."""
+    try:
+        value = int(kwargs["arguments"]["x-expires"])
+    except (KeyError, TypeError, ValueError):
+        return 0
+    return max(value, 0)
+
+
+def _refused_content(content_type: Any, accept: Any) -> str:
+    """Return why a consumer refuses a body of ``content_type``, or '' if it takes it."""
+    if accept is None or not content_type or content_type in TRUSTED_CONTENT:
+        return ""
+    if content_type in accept:
+        return ""
+    return (
+        f"ContentDisallowed: the consumer does not accept content of type {content_type} "
+        f"(accept_content: {', '.join(sorted(accept))}); the body was not decoded"
+    )
+
+
 def _budget(value: Any) -> int | Unset | None:
     """Read a stall budget given in a header: an int >= 0, or None for never."""
     if value is None:
@@ -424,6 +557,12 @@ class Transport(kombu_redis.Transport):
     Channel = Channel
     driver_name = "emq"
     implements = kombu_redis.Transport.implements.extend(batch_publish=False)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # A worker builds its transport (for its banner) before it forks its
+        # pool: the probes installed now are inherited by every pool process.
+        install_worker_probes()
 
     @property
     def supports_batch_publish(self) -> bool:

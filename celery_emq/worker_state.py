@@ -10,6 +10,8 @@ when the settle reaches the transport, it reads the mark and counts a stall
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 import threading
 from collections import OrderedDict
@@ -18,8 +20,12 @@ from typing import Any, NamedTuple
 
 __all__ = ["Mark", "install_worker_probes", "pop_mark", "started_delivery_tags"]
 
+logger = logging.getLogger(__name__)
+
 #: The reason that makes a settle a stall rather than a dead letter.
 WORKER_LOST = "worker_lost"
+#: The header naming a delivery's claim (queue, job id, token); see the transport.
+CLAIM_HEADER = "emq_claim"
 
 
 class Mark(NamedTuple):
@@ -92,9 +98,11 @@ def install_worker_probes() -> None:
     """Install the probes, once per process, and only inside a Celery worker.
 
     A lost pool process is a stall, whatever ``task_reject_on_worker_lost``
-    says: an ``acks_late`` task is handled as if that setting were on (Celery
-    requeues and records no failure), and the transport turns the requeue into
-    a counted recovery, or a dead-letter past the budget. A message Celery
+    says: an ``acks_late`` task's delivery is requeued as that setting would
+    (no failure is recorded), and the transport turns the requeue into a
+    counted recovery, or a dead-letter past the budget; with
+    ``task_retry_on_worker_lost`` Celery's own retry decides instead. A
+    message Celery
     cannot decode (it would ack it away) or will not run (an unknown or invalid
     task, which it rejects) is dead-lettered with that reason.
     """
@@ -123,6 +131,7 @@ def install_worker_probes() -> None:
         lambda self, body, message, exc: _mark(message, "invalid_task", _error(exc)),
     )
     _install_worker_lost_probe()
+    _install_start_recorder()
 
 
 def _install_worker_lost_probe() -> None:
@@ -141,24 +150,89 @@ def _install_worker_lost_probe() -> None:
             and not getattr(self, "_already_cancelled", False)
             and not getattr(self, "_already_revoked", False)
         )
-        if lost:
-            success_was_stored = getattr(self, "_success_was_stored", None)
-            if success_was_stored is not None and success_was_stored():
-                lost = False  # it finished before its process died: a plain ack
         task = self.task
-        if not lost or not task.acks_late:
+        if not lost or not task.acks_late or getattr(task, "retry_on_worker_lost", False):
+            # With retry_on_worker_lost Celery publishes a retry and acks this
+            # delivery: its retries (max_retries) bound the task, not the stall
+            # budget, so the ack stays a plain ack.
             return original(self, exc_info, *args, **kwargs)
-        had_own = "reject_on_worker_lost" in vars(task)
-        own = vars(task).get("reject_on_worker_lost")
+        success_was_stored = getattr(self, "_success_was_stored", None)
+        if success_was_stored is not None and success_was_stored():
+            return original(self, exc_info, *args, **kwargs)  # it finished: a plain ack
+        # What Celery does with reject_on_worker_lost, done for this request
+        # alone: the shared task object is never touched. The requeue reaches
+        # the transport marked, and becomes a counted stall.
+        from celery.worker.state import task_ready
+
+        task_ready(self)
         _mark(self.message, WORKER_LOST, _error(exc))
-        task.reject_on_worker_lost = True
-        try:
-            return original(self, exc_info, *args, **kwargs)
-        finally:
-            if had_own:
-                task.reject_on_worker_lost = own
-            else:
-                del task.reject_on_worker_lost
+        self.reject(requeue=True)
+        return None
 
     on_failure._emq_probe = True  # type: ignore[attr-defined]
     Request.on_failure = on_failure
+
+
+def _install_start_recorder() -> None:
+    """Record, in the process that runs a task, that its claim started (``task_prerun``).
+
+    A lapsed claim is charged a stall only when its task had started: a worker
+    killed with prefetched tasks requeues those uncounted.
+    """
+    global _start_recorder_installed
+    if _start_recorder_installed:
+        return
+    from celery.signals import task_prerun
+
+    task_prerun.connect(_record_start, weak=False, dispatch_uid="celery_emq.record_start")
+    _start_recorder_installed = True
+
+
+_start_recorder_installed = False
+
+
+def _record_start(sender: Any = None, task: Any = None, **kwargs: Any) -> None:
+    from .lease import delivery_tag, keeper
+
+    claim = getattr(getattr(task, "request", None), CLAIM_HEADER, None)
+    if not isinstance(claim, list | tuple) or len(claim) != 3:
+        return
+    queue, job_id, token = claim
+    try:
+        held = keeper().get(delivery_tag(job_id, int(token)))
+        # The worker's own process holds the claim (solo, threads, gevent); a
+        # prefork child records through a store of its own.
+        store = held.store if held is not None else _child_store(task.app)
+        if store is not None:
+            store.start(queue, job_id, int(token))
+    except Exception:
+        logger.warning(
+            "celery_emq: could not record the start of job %s in %s; if its worker "
+            "dies now, the job is requeued without counting a stall",
+            job_id,
+            queue,
+            exc_info=True,
+        )
+
+
+_child_stores: dict[int, Any] = {}
+
+
+def _child_store(app: Any) -> Any:
+    """Return a job store of this process's own, opened once from the app's broker."""
+    entry = _child_stores.get(id(app))
+    if entry is None:
+        from .transport import Channel
+
+        conn = app.connection_for_write()
+        channel = conn.default_channel
+        store = channel.store if isinstance(channel, Channel) else None
+        entry = _child_stores[id(app)] = (conn, store)
+    return entry[1]
+
+
+def _forget_child_stores() -> None:
+    _child_stores.clear()
+
+
+os.register_at_fork(after_in_child=_forget_child_stores)

@@ -10,6 +10,7 @@ import pytest
 import redis
 from celery import Celery
 
+from celery_emq.lease import LeaseKeeper
 from celery_emq.store import JobStore
 
 #: The Redis the tests talk to; a database of their own on the machine's server.
@@ -71,6 +72,17 @@ def store(client: redis.Redis, prefix: str) -> JobStore:
     return JobStore(client, prefix + "emq", lease_ms=5000)
 
 
+class ManualKeeper(LeaseKeeper):
+    """A lease keeper that renews only when ``renew_once`` is called.
+
+    The real keeper's thread renews at once on the server's clock when a first
+    claim is held, which would race a test that moves time by hand.
+    """
+
+    def _run(self) -> None:
+        return None
+
+
 def bulk_enqueue(store: JobStore, queue: str, n: int, now_ms: int = 1) -> list[str]:
     """Enqueue ``n`` jobs ``"0".."n-1"`` through one pipeline; return their ids."""
     k = store.keys(queue)
@@ -79,9 +91,19 @@ def bulk_enqueue(store: JobStore, queue: str, n: int, now_ms: int = 1) -> list[s
     with store.client.pipeline() as pipe:
         for i in ids:
             script(
-                keys=[k.pending, k.wake, k.seq, k.job(i), k.lanes, k.base],
+                keys=[k.pending, k.wake, k.seq, k.job(i), k.lanes, k.expires, k.base],
                 args=[i, b"{}", queue, 0, now_ms, 0, "", ""],
                 client=pipe,
             )
         pipe.execute()
     return ids
+
+
+def bulk_start(store: JobStore, queue: str, claims: list[tuple[str, int]]) -> None:
+    """Record that each claim ``(id, token)`` started its task, through one pipeline."""
+    k = store.keys(queue)
+    script = store.scripts._scripts["start"]
+    with store.client.pipeline() as pipe:
+        for job_id, token in claims:
+            script(keys=[k.job(job_id)], args=[token], client=pipe)
+        pipe.execute()

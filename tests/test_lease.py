@@ -4,16 +4,25 @@ import time
 
 import redis
 
-from celery_emq.lease import LeaseKeeper
+from celery_emq.lease import Claim, LeaseKeeper, delivery_tag, parse_tag
 from celery_emq.store import JobStore
+from tests.conftest import ManualKeeper
+
+
+def test_delivery_tag_names_the_job_and_the_claim() -> None:
+    assert delivery_tag("a#b", 3) == "a#b#3"
+    assert parse_tag("a#b#3") == ("a#b", 3)
+    assert parse_tag("plain-id") is None
+    assert parse_tag("a#x") is None
 
 
 def test_renew_once_extends_every_held_lease(store: JobStore, client: redis.Redis) -> None:
     for i in ("a", "b", "c"):
         store.enqueue("q", i, b"{}", now_ms=1)
-    store.claim("q", "me", count=3, now_ms=1000)
-    k = LeaseKeeper("me")
-    k.hold(store, "q", ["a", "b", "c"], interval_ms=60_000)
+    claimed = store.claim("q", "me", count=3, now_ms=1000)
+    k = ManualKeeper("me")
+    tags = k.hold(store, "q", [(j.id, j.deliveries) for j in claimed], interval_ms=60_000)
+    assert tags == ["a#1", "b#1", "c#1"]
     assert k.renew_once(now_ms=9000) == []
     for i in ("a", "b", "c"):
         assert client.zscore(store.keys("q").active, i) == 9000 + store.lease_ms
@@ -21,24 +30,30 @@ def test_renew_once_extends_every_held_lease(store: JobStore, client: redis.Redi
 
 def test_lost_lease_is_reported_once_and_not_renewed(store: JobStore, client: redis.Redis) -> None:
     store.enqueue("q", "a", b"{}", now_ms=1)
-    store.claim("q", "someone-else", now_ms=1000)
-    k = LeaseKeeper("me")
-    k.hold(store, "q", ["a"], interval_ms=60_000)
-    assert k.renew_once(now_ms=2000) == ["a"]
-    assert k.renew_once(now_ms=3000) == []
-    assert client.zscore(store.keys("q").active, "a") == 1000 + store.lease_ms
-    assert k.forget("a") == (store, "q")
+    store.claim("q", "me", now_ms=1000)
+    store.reap("q", now_ms=1000 + store.lease_ms + 1)
+    store.claim("q", "someone-else", now_ms=7000)
+    k = ManualKeeper("me")
+    assert k.hold(store, "q", [("a", 1)], interval_ms=60_000) == ["a#1"]
+    assert k.renew_once(now_ms=8000) == ["a#1"]
+    assert k.is_lost("a#1")
+    assert k.renew_once(now_ms=9000) == []
+    assert client.zscore(store.keys("q").active, "a") == 7000 + store.lease_ms
+    assert k.forget("a#1") == Claim(store, "q", "a", 1)
+    assert not k.is_lost("a#1")
     assert k.held_count() == 0
+    assert k.forget("a#1") is None
 
 
 def test_thread_renews_on_its_own(store: JobStore, client: redis.Redis) -> None:
     store.enqueue("q", "a", b"{}", now_ms=1)
-    store.claim("q", "me", now_ms=1)  # deadline far in the past
+    [job] = store.claim("q", "me", now_ms=1)  # deadline far in the past
     k = LeaseKeeper("me")
-    k.hold(store, "q", ["a"], interval_ms=100)
+    [tag] = k.hold(store, "q", [(job.id, job.deliveries)], interval_ms=100)
     deadline = time.monotonic() + 5
     while k.renewals < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert k.renewals >= 2
-    assert client.zscore(store.keys("q").active, "a") > time.time() * 1000
-    k.forget("a")
+    # The new deadline is read on the Redis server's clock.
+    assert client.zscore(store.keys("q").active, "a") > store.server_ms()
+    k.forget(tag)

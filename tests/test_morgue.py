@@ -28,6 +28,7 @@ def kill(
     """Publish ``task``, claim it, and let a sweep dead-letter it at ``when_ms``."""
     app.send_task(task, args=(1,), queue=queue, **options)
     [job] = store.claim(queue, "w", now_ms=when_ms - 6000)
+    store.start(queue, job.id, job.deliveries)
     store.register(queue)
     [swept] = store.sweep(queue, max_stalled=0, now_ms=when_ms)
     assert swept.outcome == "dead"
@@ -39,7 +40,7 @@ def test_ls_filters_and_orders_by_death(app: Celery, store: JobStore) -> None:
     b = kill(app, store, "proj.b", when_ms=20_000)
     c = kill(app, store, "proj.a", queue="other", when_ms=30_000)
     store.enqueue("celery", "bad", b"{not json")
-    store.bury("celery", "bad", "malformed", "JSONDecodeError", now_ms=40_000)
+    store.bury("celery", "bad", 0, "malformed", "JSONDecodeError", now_ms=40_000)
     morgue = Morgue(store)
     assert [j.id for j in morgue.ls()] == [a, b, c, "bad"]
     assert [j.id for j in morgue.ls(task="proj.a")] == [a, c]

@@ -11,6 +11,7 @@ from celery import Celery
 
 from celery_emq import EmqOptions, StalledJobError
 from celery_emq.jobs import JobInfo
+from celery_emq.scripts import Outcome
 from celery_emq.signals import job_dead_lettered, job_recovered, job_stalled
 from celery_emq.store import JobStore
 from celery_emq.sweeper import Sweeper
@@ -36,9 +37,12 @@ def captured() -> Iterator[dict[str, list[JobInfo]]]:
     job_dead_lettered.disconnect(handlers["dead"])
 
 
-def lapse_one(app: Celery, store: JobStore, now_ms: int) -> tuple[Any, str]:
+def lapse_one(app: Celery, store: JobStore, now_ms: int, started: bool = True) -> tuple[Any, str]:
+    """Publish a task and claim it at ``now_ms``; with ``started``, its task starts."""
     result = app.send_task("proj.tasks.poison", args=(1, "x"), kwargs={"k": 2})
     [job] = store.claim("celery", "w1", now_ms=now_ms)
+    if started:
+        assert store.start("celery", job.id, job.deliveries) is Outcome.OK
     return result, job.id
 
 
@@ -49,7 +53,8 @@ def test_dead_letter_fires_signals_stores_failure_and_sends_event(
     sweeper = Sweeper(store, EmqOptions(max_stalled=1), app=app)
     result, job_id = lapse_one(app, store, 1000)
     assert sweeper.sweep("celery", now_ms=7000).recovered == [job_id]
-    store.claim("celery", "w2", now_ms=8000)
+    [again] = store.claim("celery", "w2", now_ms=8000)
+    store.start("celery", again.id, again.deliveries)
     events: list[dict[str, Any]] = []
     with app.connection_for_read() as conn:
         recv = app.events.Receiver(conn, handlers={"task-failed": events.append})
@@ -113,6 +118,19 @@ def test_retention_applies_as_jobs_die(app: Celery, client: redis.Redis, prefix:
     report = sweeper.sweep("celery", now_ms=7000)
     assert len(report.dead) == 5 and report.trimmed == 2
     assert store.counts("celery")["dead"] == 3
+
+
+def test_a_lapse_before_the_task_started_sends_no_signal_and_records_no_failure(
+    app: Celery, client: redis.Redis, prefix: str, captured: dict[str, list[JobInfo]]
+) -> None:
+    store = JobStore(client, prefix + "emq", 5000)
+    sweeper = Sweeper(store, EmqOptions(max_stalled=0), app=app)
+    result, job_id = lapse_one(app, store, 1000, started=False)
+    report = sweeper.sweep("celery", now_ms=7000)
+    assert (report.requeued, report.recovered, report.dead) == ([job_id], [], [])
+    assert captured == {"stalled": [], "recovered": [], "dead": []}
+    assert store.counts("celery") == {"pending": 1, "active": 0, "dead": 0}
+    assert result.state == "PENDING"
 
 
 def test_malformed_job_is_described_not_raised() -> None:

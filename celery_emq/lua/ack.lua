@@ -1,37 +1,54 @@
---[[ ack: a job is done; delete it.
+--[[ ack: jobs are done; delete them. Fenced by each claim's token.
   KEYS[1] active    <p>:{q}:active (ZSET)
   KEYS[2] pending   <p>:{q}:pending (ZSET)
-  KEYS[3] job       <p>:{q}:job:<id> (HASH)
-  KEYS[4] completed <p>:{q}:metrics:completed (HASH, field count)
-  KEYS[5] base      <p>:{q}: (lane keys derive from it)
-  ARGV[1] id
-  ARGV[2] owner     worker identity that acks
-  Returns 0 OK (acked under this owner's lease), 1 NOT_FOUND,
-  2 LEASE_LOST (the lease had lapsed or passed to another owner; the job is
-  deleted anyway, since it has completed), 4 DEAD (in the morgue; kept).
+  KEYS[3] wake      <p>:{q}:wake (LIST)
+  KEYS[4] dead      <p>:{q}:dead (ZSET)
+  KEYS[5] completed <p>:{q}:metrics:completed (HASH, field count)
+  KEYS[6] base      <p>:{q}: (job rows and lane keys derive from it)
+  ARGV[1..] id, token pairs (the token is the claim's delivery count; at most 500 pairs)
+  Returns one code per pair:
+  0 OK        acked under the live claim it names; deleted
+  1 NOT_FOUND no such job (already acked or purged)
+  2 LEASE_LOST the claim had lapsed and the job waited in pending again; it has
+              completed, so it is deleted and will not run again
+  4 DEAD      the claim had lapsed and the job was dead-lettered; it has completed,
+              so it leaves the morgue
+  5 FENCED    another claim holds the job now; it is left to that claim
 ]]
-local active, pending, job, completed, base = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local id, owner = ARGV[1], ARGV[2]
+local active, pending, wake, dead, completed = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local base = KEYS[6]
 
-local row = redis.call('HMGET', job, 'state', 'owner', 'group')
-if not row[1] then
-  return 1
-end
-if row[1] == 'dead' then
-  return 4
-end
-redis.call('ZREM', active, id)
-if row[1] == 'pending' then
-  -- Acked after a reaper put it back: it is done, so it must not run again.
-  if row[3] then
-    redis.call('ZREM', base .. 'g:' .. row[3] .. ':pending', id)
+local out = {}
+for i = 1, #ARGV, 2 do
+  local id, token = ARGV[i], ARGV[i + 1]
+  local job = base .. 'job:' .. id
+  local row = redis.call('HMGET', job, 'state', 'deliveries', 'group')
+  local code
+  if not row[1] then
+    code = 1
+  elseif row[1] == 'active' and row[2] ~= token then
+    code = 5
   else
-    redis.call('ZREM', pending, id)
+    if row[1] == 'active' then
+      redis.call('ZREM', active, id)
+      code = 0
+    elseif row[1] == 'dead' then
+      redis.call('ZREM', dead, id)
+      code = 4
+    else
+      local lane = pending
+      if row[3] then
+        lane = base .. 'g:' .. row[3] .. ':pending'
+      end
+      if redis.call('ZREM', lane, id) == 1 then
+        -- One fewer claimable job: one fewer wake marker.
+        redis.call('RPOP', wake)
+      end
+      code = 2
+    end
+    redis.call('DEL', job)
+    redis.call('HINCRBY', completed, 'count', 1)
   end
+  out[#out + 1] = code
 end
-redis.call('DEL', job)
-redis.call('HINCRBY', completed, 'count', 1)
-if row[1] == 'active' and row[2] == owner then
-  return 0
-end
-return 2
+return out

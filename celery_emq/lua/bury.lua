@@ -1,30 +1,48 @@
---[[ bury: dead-letter one claimed or pending job into the morgue, with a reason.
-  Used for a payload that cannot be decoded and for reject(requeue=False).
+--[[ bury: dead-letter one job into the morgue, with a reason. Fenced by the claim's token.
+  Used for a payload that cannot be decoded, content the consumer does not accept,
+  a message Celery will not run, and reject(requeue=False).
   KEYS[1] active    <p>:{q}:active (ZSET)
   KEYS[2] pending   <p>:{q}:pending (ZSET)
-  KEYS[3] dead      <p>:{q}:dead (ZSET, score = time of death ms)
-  KEYS[4] job       <p>:{q}:job:<id> (HASH)
-  KEYS[5] failed    <p>:{q}:metrics:failed (HASH, field count)
-  KEYS[6] base      <p>:{q}: (lane keys derive from it)
+  KEYS[3] wake      <p>:{q}:wake (LIST)
+  KEYS[4] dead      <p>:{q}:dead (ZSET, score = time of death ms)
+  KEYS[5] job       <p>:{q}:job:<id> (HASH)
+  KEYS[6] failed    <p>:{q}:metrics:failed (HASH, field count)
+  KEYS[7] base      <p>:{q}: (lane keys derive from it)
   ARGV[1] id
-  ARGV[2] reason    short machine-readable reason (malformed, rejected, ...)
-  ARGV[3] error     human-readable detail
-  ARGV[4] now_ms
-  Returns 0 OK, 1 NOT_FOUND (no row, or already dead).
+  ARGV[2] token     the claim's delivery count
+  ARGV[3] reason    short machine-readable reason (malformed, rejected, ...)
+  ARGV[4] error     human-readable detail
+  ARGV[5] now_ms    '' takes the Redis server's clock
+  Returns 0 OK (from the live claim it names, or from pending after that claim
+  lapsed: the verdict is on the message), 1 NOT_FOUND (no row, or already dead),
+  5 FENCED (another claim holds the job now; untouched).
 ]]
-local active, pending, dead, job, failed = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local base = KEYS[6]
-local id, reason, err, now_ms = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local active, pending, wake, dead, job = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local failed, base = KEYS[6], KEYS[7]
+local id, token, reason, err = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local now_ms = tonumber(ARGV[5])
+if not now_ms then
+  local t = redis.call('TIME')
+  now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
 
-local row = redis.call('HMGET', job, 'state', 'group')
+local row = redis.call('HMGET', job, 'state', 'deliveries', 'group')
 if not row[1] or row[1] == 'dead' then
   return 1
 end
-redis.call('ZREM', active, id)
-if row[2] then
-  redis.call('ZREM', base .. 'g:' .. row[2] .. ':pending', id)
+if row[1] == 'active' then
+  if row[2] ~= token then
+    return 5
+  end
+  redis.call('ZREM', active, id)
 else
-  redis.call('ZREM', pending, id)
+  local lane = pending
+  if row[3] then
+    lane = base .. 'g:' .. row[3] .. ':pending'
+  end
+  if redis.call('ZREM', lane, id) == 1 then
+    redis.call('RPOP', wake)
+  end
 end
 redis.call('HSET', job, 'state', 'dead', 'owner', '', 'last_error', reason,
   'reason', reason, 'error', err, 'died_ms', now_ms)

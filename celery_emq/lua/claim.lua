@@ -6,21 +6,31 @@
   KEYS[5] head      <p>:{q}:head (STRING, head sequence)
   KEYS[6] lanes     <p>:{q}:lanes (ZSET of groups with a lane, score 0)
   KEYS[7] cursor    <p>:{q}:cursor (STRING, the lane served last)
-  KEYS[8] base      <p>:{q}: (job rows and lane keys derive from it)
-  ARGV[1] now_ms
+  KEYS[8] expires   <p>:{q}:expires (STRING, present while an x-expires queue is in use)
+  KEYS[9] base      <p>:{q}: (job rows and lane keys derive from it)
+  ARGV[1] now_ms    '' takes the Redis server's clock
   ARGV[2] lease_ms
   ARGV[3] owner     worker identity that will renew the leases
   ARGV[4] count     most jobs to claim (1..1000)
   ARGV[5] held      wake markers the caller already popped (BRPOP): 0 or 1
-  ARGV[6] no_ack    1: the consumer never acks, so the job is deleted on claim
+  ARGV[6] ttl_ms    > 0 for an x-expires queue: a claim is a use, so the queue lives on
   Returns a flat array: id, payload, stalled, deliveries, ... per claimed job.
+  The delivery count is the claim's fencing token: every later settle names it.
   With lanes, claims rotate one job at a time over the default lane and each
   group's lane (in name order), so no group can starve another.
 ]]
 local pending, active, wake, seq, head = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local lanes, cursor, base = KEYS[6], KEYS[7], KEYS[8]
-local now_ms, lease_ms, owner = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
-local count, held, no_ack = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6] == '1'
+local lanes, cursor, expires, base = KEYS[6], KEYS[7], KEYS[8], KEYS[9]
+local lease_ms, owner = tonumber(ARGV[2]), ARGV[3]
+local count, held, ttl_ms = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local now_ms = tonumber(ARGV[1])
+if not now_ms then
+  local t = redis.call('TIME')
+  now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+if ttl_ms > 0 then
+  redis.call('SET', expires, 1, 'PX', ttl_ms)
+end
 
 local ids = {}
 if redis.call('EXISTS', lanes) == 0 then
@@ -67,15 +77,11 @@ local out = {}
 for _, id in ipairs(ids) do
   local job = base .. 'job:' .. id
   local row = redis.call('HMGET', job, 'payload', 'stalled')
-  -- A row can be missing only when an expiring queue's keys timed out apart.
+  -- A row can be missing only when a foreign writer deleted it: skip the id.
   if row[1] then
     local deliveries = redis.call('HINCRBY', job, 'deliveries', 1)
-    if no_ack then
-      redis.call('DEL', job)
-    else
-      redis.call('HSET', job, 'state', 'active', 'owner', owner, 'claimed_ms', now_ms)
-      redis.call('ZADD', active, now_ms + lease_ms, id)
-    end
+    redis.call('HSET', job, 'state', 'active', 'owner', owner, 'claimed_ms', now_ms)
+    redis.call('ZADD', active, now_ms + lease_ms, id)
     out[#out + 1] = id
     out[#out + 1] = row[1]
     out[#out + 1] = tonumber(row[2] or '0')

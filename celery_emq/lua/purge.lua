@@ -1,17 +1,24 @@
---[[ purge: delete up to `limit` pending jobs of a queue and its lanes (kombu queue_purge).
+--[[ purge: delete up to `limit` pending jobs of a queue and its lanes (kombu queue_purge,
+  and the expiry of an x-expires queue once unused).
   KEYS[1] pending   <p>:{q}:pending (ZSET, the default lane)
   KEYS[2] wake      <p>:{q}:wake (LIST)
   KEYS[3] seq       <p>:{q}:seq (STRING)
   KEYS[4] head      <p>:{q}:head (STRING)
   KEYS[5] lanes     <p>:{q}:lanes (ZSET of groups with a lane)
   KEYS[6] cursor    <p>:{q}:cursor (STRING)
-  KEYS[7] base      <p>:{q}: (job rows and lane keys derive from it)
+  KEYS[7] expires   <p>:{q}:expires (STRING, present while an x-expires queue is in use)
+  KEYS[8] base      <p>:{q}: (job rows and lane keys derive from it)
   ARGV[1] limit     most jobs to delete in this call
-  Returns the number of jobs deleted; the caller repeats while it equals limit.
+  ARGV[2] expired   1: only if the queue expired (its expires key is gone)
+  Returns the number of jobs deleted, -1 when `expired` was asked and the queue
+  is still in use; the caller repeats while it equals limit.
 ]]
 local pending, wake, seq, head = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local lanes, cursor, base = KEYS[5], KEYS[6], KEYS[7]
-local limit = tonumber(ARGV[1])
+local lanes, cursor, expires, base = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+local limit, expired = tonumber(ARGV[1]), ARGV[2] == '1'
+if expired and redis.call('EXISTS', expires) == 1 then
+  return -1
+end
 
 local n = 0
 local function drain(lane)

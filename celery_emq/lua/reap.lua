@@ -6,29 +6,40 @@
   KEYS[4] head      <p>:{q}:head (STRING, head sequence)
   KEYS[5] lanes     <p>:{q}:lanes (ZSET of groups with a lane)
   KEYS[6] base      <p>:{q}: (job rows and lane keys derive from it)
-  ARGV[1] now_ms
+  ARGV[1] now_ms    '' takes the Redis server's clock
   ARGV[2] limit     most jobs reaped by this call (1..1000)
-  Returns the array of reaped ids.
+  Returns the array of reaped ids. A batch keeps its order (earliest lapse first)
+  at the front of the queue.
 ]]
 local active, pending, wake, head, lanes, base = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-local now_ms, limit = tonumber(ARGV[1]), tonumber(ARGV[2])
+local limit = tonumber(ARGV[2])
+local now_ms = tonumber(ARGV[1])
+if not now_ms then
+  local t = redis.call('TIME')
+  now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
 
 local BAND = 1099511627776
 
 local ids = redis.call('ZRANGE', active, '-inf', now_ms, 'BYSCORE', 'LIMIT', 0, limit)
+-- Front-of-queue scores count down from the head sequence: the first of the
+-- batch takes the highest number, so it stays first.
+local top = 0
+if #ids > 0 then
+  top = redis.call('INCRBY', head, #ids)
+end
 local out = {}
-for _, id in ipairs(ids) do
+for i, id in ipairs(ids) do
   local job = base .. 'job:' .. id
   redis.call('ZREM', active, id)
   local row = redis.call('HMGET', job, 'priority', 'group')
   if row[1] then
-    local n = redis.call('INCR', head)
     local lane = pending
     if row[2] and row[2] ~= '' then
       lane = base .. 'g:' .. row[2] .. ':pending'
       redis.call('ZADD', lanes, 0, row[2])
     end
-    redis.call('ZADD', lane, tonumber(row[1]) * BAND - n, id)
+    redis.call('ZADD', lane, tonumber(row[1]) * BAND - (top - i + 1), id)
     redis.call('HSET', job, 'state', 'pending', 'owner', '', 'reason', 'lease_expired')
     redis.call('LPUSH', wake, 1)
     out[#out + 1] = id

@@ -1,6 +1,7 @@
 --[[ release: return a claimed job to the front of its queue (or lane), uncounted.
-  Used for kombu requeue/reject(requeue=True) and for a warm shutdown's
-  unstarted deliveries. A release is not a stall: `stalled` is unchanged.
+  Fenced by the claim's token. Used for kombu requeue/reject(requeue=True), for
+  a warm shutdown's unstarted deliveries, and for a batch that did not reach
+  the consumer. A release is not a stall: `stalled` is unchanged.
   KEYS[1] active    <p>:{q}:active (ZSET)
   KEYS[2] pending   <p>:{q}:pending (ZSET)
   KEYS[3] wake      <p>:{q}:wake (LIST)
@@ -9,21 +10,21 @@
   KEYS[6] lanes     <p>:{q}:lanes (ZSET of groups with a lane)
   KEYS[7] base      <p>:{q}: (lane keys derive from it)
   ARGV[1] id
-  ARGV[2] owner     worker identity holding the lease
-  Returns 0 OK, 1 NOT_FOUND (not active), 2 LEASE_LOST (active under another owner; untouched).
+  ARGV[2] token     the claim's delivery count
+  Returns 0 OK, 1 NOT_FOUND (not active), 5 FENCED (active under a newer claim; untouched).
 ]]
 local active, pending, wake, head, job = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local lanes, base = KEYS[6], KEYS[7]
-local id, owner = ARGV[1], ARGV[2]
+local id, token = ARGV[1], ARGV[2]
 
 local BAND = 1099511627776
 
 if not redis.call('ZSCORE', active, id) then
   return 1
 end
-local row = redis.call('HMGET', job, 'owner', 'priority', 'group')
-if row[1] ~= owner then
-  return 2
+local row = redis.call('HMGET', job, 'deliveries', 'priority', 'group')
+if row[1] ~= token then
+  return 5
 end
 local n = redis.call('INCR', head)
 redis.call('ZREM', active, id)

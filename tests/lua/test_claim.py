@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import redis
 
+from celery_emq.scripts import Outcome
 from celery_emq.store import JobStore
 
 
@@ -53,13 +54,22 @@ def test_claim_empty_queue_returns_nothing_and_drains_keys(
     assert not client.exists(k.wake, k.seq, k.head, k.pending)
 
 
-def test_claim_no_ack_deletes_the_job(store: JobStore, client: redis.Redis) -> None:
-    fill(store, "q", ["a"])
-    [job] = store.claim("q", "w", no_ack=True, now_ms=1)
-    assert job.id == "a"
+def test_a_no_ack_batch_is_leased_at_claim_and_deleted_by_one_ack(
+    store: JobStore, client: redis.Redis
+) -> None:
+    # A claim never deletes: a consumer that dies before the batch reaches its
+    # callback leaves leased jobs to recover, and the handed-over batch is acked.
+    fill(store, "q", ["a", "b"])
+    got = store.claim("q", "w", count=2, now_ms=1)
     k = store.keys("q")
+    assert client.zrange(k.active, 0, -1, withscores=True) == [
+        (b"a", 1 + store.lease_ms),
+        (b"b", 1 + store.lease_ms),
+    ]
+    assert store.ack_many("q", [(j.id, j.deliveries) for j in got]) == [Outcome.OK, Outcome.OK]
     assert client.zcard(k.active) == 0
-    assert not client.exists(k.job("a"))
+    assert not client.exists(k.job("a"), k.job("b"))
+    assert store.metrics("q")["completed"] == 2
 
 
 def test_claimed_job_is_never_in_two_sets_or_none(store: JobStore, client: redis.Redis) -> None:

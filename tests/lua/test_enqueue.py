@@ -29,14 +29,23 @@ def test_enqueue_duplicate_id_changes_nothing(store: JobStore, client: redis.Red
     assert client.llen(store.keys("q").wake) == 1
 
 
-def test_enqueue_with_ttl_expires_every_key(store: JobStore, client: redis.Redis) -> None:
+def test_enqueue_with_ttl_marks_the_queue_in_use_and_never_expires_a_row(
+    store: JobStore, client: redis.Redis
+) -> None:
     store.enqueue("q", "a", b"{}", ttl_ms=10_000, now_ms=1)
     k = store.keys("q")
+    assert 0 < client.pttl(k.expires) <= 10_000
+    # The queue expires as a whole once unused, never a row or an index on its own.
     for key in (k.pending, k.wake, k.seq, k.job("a")):
-        assert 0 < client.pttl(key) <= 10_000, key
+        assert client.pttl(key) == -1, key
+
+
+def test_enqueue_without_ttl_writes_no_expires_key(store: JobStore, client: redis.Redis) -> None:
+    store.enqueue("q", "a", b"{}", now_ms=1)
+    assert not client.exists(store.keys("q").expires)
 
 
 def test_keys_share_the_queue_hash_tag(store: JobStore) -> None:
     k = store.keys("my.queue")
-    for key in (k.pending, k.active, k.dead, k.wake, k.seq, k.head, k.job("x")):
+    for key in (k.pending, k.active, k.dead, k.wake, k.seq, k.head, k.expires, k.job("x")):
         assert "{my.queue}" in key

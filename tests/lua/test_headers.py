@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -11,14 +12,19 @@ from celery_emq.keys import QueueKeys
 from celery_emq.scripts import SCRIPT_NAMES, Scripts, script_source
 
 HEADER = re.compile(r"^\s*(KEYS|ARGV)\[(\d+)(\.\.)?\]", re.M)
+KEY_LINE = re.compile(r"^\s*KEYS\[(\d+)\]\s+\w+\s+<p>:(\S+)", re.M)
+NOW_LINE = re.compile(r"^\s*ARGV\[(\d+)\]\s+now_ms\b", re.M)
+
+
+def header(name: str) -> str:
+    return script_source(name).split("]]", 1)[0]
 
 
 def header_arity(name: str) -> tuple[int, int, bool]:
     """Return (keys, argv, argv_is_variadic) declared in a script's header."""
-    header = script_source(name).split("]]", 1)[0]
     keys = argv = 0
     variadic = False
-    for kind, index, dots in HEADER.findall(header):
+    for kind, index, dots in HEADER.findall(header(name)):
         if kind == "KEYS":
             keys = max(keys, int(index))
         else:
@@ -39,42 +45,94 @@ class Recorder:
         return run
 
 
-CALLS = {
-    "enqueue": lambda s, k: s.enqueue(k, "id", b"{}", 0, 1),
-    "claim": lambda s, k: s.claim(k, 1, 1000, "w", 1),
-    "ack": lambda s, k: s.ack(k, "id", "w"),
-    "release": lambda s, k: s.release(k, "id", "w"),
-    "extend": lambda s, k: s.extend(k, "w", 1, ["a", "b"]),
-    "bury": lambda s, k: s.bury(k, "id", "r", "e", 1),
-    "purge": lambda s, k: s.purge(k, 10),
-    "reap": lambda s, k: s.reap(k, 1, 10),
-    "sweep": lambda s, k: s.sweep(k, 1, 10, 1, "lease_expired", "w", ["a", "b"]),
-    "trim": lambda s, k: s.trim(k, 1, 1000, 10, 10),
-    "retry": lambda s, k: s.retry(k, 1, ["a", "b"]),
-    "purge_dead": lambda s, k: s.purge_dead(k, ["a", "b"]),
+Call = Callable[[Scripts, QueueKeys], Any]
+PAIRS = [("a", 1), ("b", 2)]
+
+#: One call per script, and how many ARGV items it sends past the fixed ones.
+CALLS: dict[str, tuple[Call, int]] = {
+    "enqueue": (lambda s, k: s.enqueue(k, "id", b"{}", 0, 1), 0),
+    "claim": (lambda s, k: s.claim(k, 1, 1000, "w", 1), 0),
+    "start": (lambda s, k: s.start(k, "id", 1), 0),
+    "ack": (lambda s, k: s.ack(k, PAIRS), 4),
+    "release": (lambda s, k: s.release(k, "id", 1), 0),
+    "extend": (lambda s, k: s.extend(k, 1000, 1, PAIRS), 4),
+    "bury": (lambda s, k: s.bury(k, "id", 1, "r", "e", 1), 0),
+    "purge": (lambda s, k: s.purge(k, 10), 0),
+    "reap": (lambda s, k: s.reap(k, 1, 10), 0),
+    "sweep": (lambda s, k: s.sweep(k, 1, 10, 1, "worker_lost", PAIRS), 4),
+    "trim": (lambda s, k: s.trim(k, 1, 1000, 10, 10), 0),
+    "retry": (lambda s, k: s.retry(k, 1, ["a", "b"]), 2),
+    "purge_dead": (lambda s, k: s.purge_dead(k, ["a", "b"]), 2),
 }
+
+#: Calls that leave the time to the Redis server (``now_ms=None``).
+SERVER_TIME: dict[str, Call] = {
+    "enqueue": lambda s, k: s.enqueue(k, "id", b"{}", 0, None),
+    "claim": lambda s, k: s.claim(k, None, 1000, "w", 1),
+    "extend": lambda s, k: s.extend(k, 1000, None, PAIRS),
+    "bury": lambda s, k: s.bury(k, "id", 1, "r", "e", None),
+    "reap": lambda s, k: s.reap(k, None, 10),
+    "sweep": lambda s, k: s.sweep(k, None, 10, 1, "lease_expired"),
+    "trim": lambda s, k: s.trim(k, None, 1000, 10, 10),
+    "retry": lambda s, k: s.retry(k, None, ["a"]),
+}
+
+
+def record(call: Call) -> tuple[list[Any], list[Any]]:
+    rec = Recorder()
+    scripts = Scripts(rec)
+    try:
+        call(scripts, QueueKeys("emq", "q"))
+    except Exception:
+        pass  # the recorder's reply does not fit every wrapper; the call was recorded
+    [(keys, args)] = rec.calls
+    return keys, args
 
 
 def test_every_script_has_a_call_here() -> None:
     assert set(CALLS) == set(SCRIPT_NAMES)
 
 
+def test_every_script_that_reads_a_time_has_a_server_time_call_here() -> None:
+    assert set(SERVER_TIME) == {n for n in SCRIPT_NAMES if NOW_LINE.search(header(n))}
+
+
 @pytest.mark.parametrize("name", SCRIPT_NAMES)
 def test_header_matches_wrapper(name: str) -> None:
-    rec = Recorder()
-    scripts = Scripts(rec)
-    try:
-        CALLS[name](scripts, QueueKeys("emq", "q"))
-    except Exception:
-        pass  # the recorder's reply does not fit every wrapper; the call was recorded
-    [(keys, args)] = rec.calls
+    call, extra = CALLS[name]
+    keys, args = record(call)
     n_keys, n_argv, variadic = header_arity(name)
     assert len(keys) == n_keys
     if variadic:
-        assert len(args) >= n_argv
+        # ARGV[n..] starts the variable part: n - 1 fixed items before it.
+        assert len(args) == n_argv - 1 + extra
     else:
-        assert len(args) == n_argv
+        assert (len(args), extra) == (n_argv, 0)
     assert all("{q}" in key for key in keys), "every key shares the queue hash tag"
+
+
+@pytest.mark.parametrize("name", SCRIPT_NAMES)
+def test_header_names_each_key_in_the_order_sent(name: str) -> None:
+    keys, _ = record(CALLS[name][0])
+    declared = {
+        int(i): "emq:" + path.replace("<id>", "id") for i, path in KEY_LINE.findall(header(name))
+    }
+    assert sorted(declared) == list(range(1, len(keys) + 1))
+    assert [declared[i + 1] for i in range(len(keys))] == keys
+
+
+@pytest.mark.parametrize("name", sorted(SERVER_TIME))
+def test_no_time_given_sends_an_empty_now_ms(name: str) -> None:
+    _, args = record(SERVER_TIME[name])
+    [index] = NOW_LINE.findall(header(name))
+    assert args[int(index) - 1] == ""
+
+
+def test_pairs_are_sent_id_then_token() -> None:
+    for name in ("ack", "extend", "sweep"):
+        call, extra = CALLS[name]
+        _, args = record(call)
+        assert args[-extra:] == ["a", 1, "b", 2], name
 
 
 @pytest.mark.parametrize("name", SCRIPT_NAMES)

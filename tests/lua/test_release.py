@@ -9,8 +9,8 @@ from celery_emq.store import JobStore
 def test_release_returns_job_to_front_uncounted(store: JobStore, client: redis.Redis) -> None:
     for i in ("a", "b", "c"):
         store.enqueue("q", i, b"{}", now_ms=1)
-    store.claim("q", "w", now_ms=2)
-    assert store.release("q", "a", "w") is Outcome.OK
+    [job] = store.claim("q", "w", now_ms=2)
+    assert store.release("q", "a", job.deliveries) is Outcome.OK
     k = store.keys("q")
     assert client.zrange(k.pending, 0, -1) == [b"a", b"b", b"c"]
     assert client.zcard(k.active) == 0
@@ -25,18 +25,25 @@ def test_release_keeps_priority_band(store: JobStore, client: redis.Redis) -> No
     store.enqueue("q", "hi", b"{}", priority=0, now_ms=1)
     store.enqueue("q", "lo", b"{}", priority=9, now_ms=1)
     store.claim("q", "w", count=2, now_ms=2)
-    store.release("q", "lo", "w")
-    store.release("q", "hi", "w")
+    assert store.release("q", "lo", 1) is Outcome.OK
+    assert store.release("q", "hi", 1) is Outcome.OK
     assert client.zrange(store.keys("q").pending, 0, -1) == [b"hi", b"lo"]
 
 
-def test_release_by_another_owner_is_refused(store: JobStore, client: redis.Redis) -> None:
+def test_release_with_a_stale_token_is_fenced(store: JobStore, client: redis.Redis) -> None:
     store.enqueue("q", "a", b"{}", now_ms=1)
     store.claim("q", "w1", now_ms=2)
-    assert store.release("q", "a", "w2") is Outcome.LEASE_LOST
-    assert client.zscore(store.keys("q").active, "a") is not None
+    store.reap("q", now_ms=2 + store.lease_ms + 1)
+    [again] = store.claim("q", "w1", now_ms=10_000)
+    assert again.deliveries == 2
+    assert store.release("q", "a", 1) is Outcome.FENCED
+    k = store.keys("q")
+    assert client.zscore(k.active, "a") == 10_000 + store.lease_ms
+    assert store.job("q", "a")["state"] == "active"
+    assert client.zcard(k.pending) == 0
 
 
-def test_release_of_unclaimed_job_is_not_found(store: JobStore) -> None:
+def test_release_of_unclaimed_job_is_not_found(store: JobStore, client: redis.Redis) -> None:
     store.enqueue("q", "a", b"{}", now_ms=1)
-    assert store.release("q", "a", "w") is Outcome.NOT_FOUND
+    assert store.release("q", "a", 0) is Outcome.NOT_FOUND
+    assert client.llen(store.keys("q").wake) == 1

@@ -7,14 +7,27 @@ import pytest
 import redis
 
 from celery_emq.store import JobStore
-from tests.conftest import bulk_enqueue
+from tests.conftest import bulk_enqueue, bulk_start
 
 
-def lapse(store: JobStore, queue: str, ids: list[str], claimed_ms: int = 1000) -> None:
-    """Enqueue and claim ``ids`` at ``claimed_ms``; their leases lapse at + lease_ms."""
+def lapse(
+    store: JobStore, queue: str, ids: list[str], claimed_ms: int = 1000, started: bool = True
+) -> None:
+    """Enqueue and claim ``ids`` at ``claimed_ms``; their leases lapse at + lease_ms.
+
+    With ``started`` each claim's task is recorded as started, so its lapse is a stall.
+    """
     for i in ids:
         store.enqueue(queue, i, json.dumps({"id": i}), now_ms=1)
-    store.claim(queue, "w1", count=len(ids), now_ms=claimed_ms)
+    claimed = store.claim(queue, "w1", count=len(ids), now_ms=claimed_ms)
+    if started:
+        bulk_start(store, queue, [(j.id, j.deliveries) for j in claimed])
+
+
+def claim_started(store: JobStore, queue: str, owner: str, now_ms: int, count: int = 1) -> None:
+    """Claim up to ``count`` jobs at ``now_ms`` and record that each one's task started."""
+    claimed = store.claim(queue, owner, count=count, now_ms=now_ms)
+    bulk_start(store, queue, [(j.id, j.deliveries) for j in claimed])
 
 
 def after_lease(store: JobStore, claimed_ms: int = 1000) -> int:
@@ -60,6 +73,7 @@ def test_second_stall_dead_letters_with_budget_1(store: JobStore, client: redis.
     store.sweep("q", max_stalled=1, now_ms=after_lease(store))
     [job] = store.claim("q", "w2", now_ms=50_000)
     assert job.stalled == 1  # the count travels with the job into its next claim
+    store.start("q", "a", job.deliveries)
     [swept] = store.sweep("q", max_stalled=1, now_ms=after_lease(store, 50_000))
     assert (swept.outcome, swept.stalled) == ("dead", 2)
     k = store.keys("q")
@@ -84,7 +98,7 @@ def test_budget_none_never_dead_letters(store: JobStore) -> None:
     for n in range(1, 26):
         [swept] = store.sweep("q", max_stalled=None, now_ms=after_lease(store, n * 100_000))
         assert (swept.outcome, swept.stalled) == ("recovered", n)
-        store.claim("q", "w", now_ms=(n + 1) * 100_000)
+        claim_started(store, "q", "w", (n + 1) * 100_000)
     assert len(json.loads(store.job("q", "a")["history"])) == 20  # bounded history
 
 
@@ -93,14 +107,14 @@ def test_budget_3_recovers_three_times(store: JobStore) -> None:
     outcomes = []
     for n in range(1, 5):
         outcomes.append(store.sweep("q", max_stalled=3, now_ms=after_lease(store, n * 100_000))[0])
-        store.claim("q", "w", now_ms=(n + 1) * 100_000)
+        claim_started(store, "q", "w", (n + 1) * 100_000)
     assert [o.outcome for o in outcomes] == ["recovered"] * 3 + ["dead"]
 
 
 def test_a_jobs_own_budget_wins(store: JobStore) -> None:
     store.enqueue("q", "strict", b"{}", now_ms=1, max_stalled=0)
     store.enqueue("q", "lenient", b"{}", now_ms=1, max_stalled=None)
-    store.claim("q", "w", count=2, now_ms=1000)
+    claim_started(store, "q", "w", 1000, count=2)
     swept = {s.id: s.outcome for s in store.sweep("q", max_stalled=1, now_ms=after_lease(store))}
     assert swept == {"strict": "dead", "lenient": "recovered"}
 
@@ -116,7 +130,7 @@ def test_only_lapsed_leases_are_examined(store: JobStore, client: redis.Redis) -
 def test_grouped_priority_is_kept_on_recovery(store: JobStore, client: redis.Redis) -> None:
     store.enqueue("q", "hi", b"{}", priority=0, now_ms=1)
     store.enqueue("q", "lo", b"{}", priority=9, now_ms=1)
-    store.claim("q", "w", count=2, now_ms=1000)
+    claim_started(store, "q", "w", 1000, count=2)
     store.enqueue("q", "new-hi", b"{}", priority=0, now_ms=2)
     store.sweep("q", max_stalled=1, now_ms=after_lease(store))
     # Recovered jobs go to the front of their own priority band.
@@ -130,15 +144,21 @@ def test_sweep_is_bounded_per_call_and_covers_8000_plus(
     bulk_enqueue(store, "q", n)
     claimed = 0
     while claimed < n:
-        claimed += len(store.claim("q", "w", count=1000, now_ms=1000))
+        got = store.claim("q", "w", count=1000, now_ms=1000)
+        bulk_start(store, "q", [(j.id, j.deliveries) for j in got])
+        claimed += len(got)
     k = store.keys("q")
     calls = []
+    outcomes = set()
     while True:
         swept = store.sweep("q", max_stalled=1, limit=1000, now_ms=after_lease(store))
         calls.append(len(swept))
+        outcomes |= {s.outcome for s in swept}
         if len(swept) < 1000:
             break
     assert calls == [1000] * 8 + [200]
+    assert outcomes == {"recovered"}
+    assert store.metrics("q")["stalled"] == n
     assert client.zcard(k.active) == 0
     assert client.zcard(k.pending) == n
     assert client.llen(k.wake) == n
@@ -149,7 +169,9 @@ def test_concurrent_sweepers_recover_each_job_once(store: JobStore, client: redi
     bulk_enqueue(store, "q", n)
     claimed = 0
     while claimed < n:
-        claimed += len(store.claim("q", "w", count=1000, now_ms=1000))
+        got = store.claim("q", "w", count=1000, now_ms=1000)
+        bulk_start(store, "q", [(j.id, j.deliveries) for j in got])
+        claimed += len(got)
     results: list[list[str]] = []
     lock = threading.Lock()
 
@@ -187,17 +209,45 @@ def test_a_rerun_after_a_crash_recovers_nothing_twice(store: JobStore) -> None:
     assert {s.id for s in first + rest} == {"a", "b", "c"}
 
 
-def test_charge_counts_a_stall_only_for_the_owner(store: JobStore, client: redis.Redis) -> None:
-    lapse(store, "q", ["a"])
-    assert store.charge("q", "a", "someone-else", 1, "worker_lost", now_ms=2000) is None
-    swept = store.charge("q", "a", "w1", 1, "worker_lost", now_ms=2000)
+def test_charge_counts_a_stall_only_for_the_live_claim(
+    store: JobStore, client: redis.Redis
+) -> None:
+    lapse(store, "q", ["a"], started=False)
+    # A charge needs no start record (a pool process ran the task), only the live token.
+    assert store.charge("q", "a", 2, 1, "worker_lost", now_ms=2000) is None
+    assert store.job("q", "a")["stalled"] == "0"
+    swept = store.charge("q", "a", 1, 1, "worker_lost", now_ms=2000)
     assert swept is not None
-    assert (swept.outcome, swept.stalled) == ("recovered", 1)
+    assert (swept.id, swept.outcome, swept.stalled) == ("a", "recovered", 1)
     assert store.job("q", "a")["reason"] == "worker_lost"
-    store.claim("q", "w1", now_ms=3000)
-    swept = store.charge("q", "a", "w1", 1, "worker_lost", now_ms=4000)
-    assert swept is not None and swept.outcome == "dead"
+    [again] = store.claim("q", "w1", now_ms=3000)
+    assert again.deliveries == 2
+    assert store.charge("q", "a", 1, 1, "worker_lost", now_ms=4000) is None
+    swept = store.charge("q", "a", 2, 1, "worker_lost", now_ms=4000)
+    assert swept is not None and (swept.outcome, swept.stalled) == ("dead", 2)
     assert client.zscore(store.keys("q").dead, "a") == 4000
+    assert store.metrics("q")["stalled"] == 2
+
+
+def test_a_claim_that_never_started_is_requeued_uncounted(
+    store: JobStore, client: redis.Redis
+) -> None:
+    lapse(store, "q", ["a"], started=False)
+    [swept] = store.sweep("q", max_stalled=0, now_ms=after_lease(store))
+    assert (swept.id, swept.outcome, swept.stalled) == ("a", "requeued", 0)
+    k = store.keys("q")
+    assert client.zrange(k.pending, 0, -1) == [b"a"]
+    assert client.zcard(k.dead) == client.zcard(k.active) == 0
+    row = store.job("q", "a")
+    assert (row["state"], row["stalled"], row["reason"]) == ("pending", "0", "lease_expired")
+    assert "history" not in row
+    assert store.metrics("q") == {
+        "completed": 0,
+        "recovered": 0,
+        "stalled": 0,
+        "failed": 0,
+        "retried": 0,
+    }
 
 
 @pytest.mark.parametrize("limit", [1, 7])

@@ -13,7 +13,7 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 import celery_emq  # noqa: F401  (registers emq://)
 from celery_emq import InvalidOptionError
-from celery_emq.lease import keeper
+from celery_emq.lease import keeper, parse_tag
 from celery_emq.store import JobStore
 
 ConnFactory = Callable[..., Connection]
@@ -37,6 +37,13 @@ def connect(redis_url: str, prefix: str) -> Iterator[ConnFactory]:
 @pytest.fixture
 def store(client: redis.Redis, prefix: str) -> JobStore:
     return JobStore(client, prefix + "emq", lease_ms=30_000)
+
+
+def job_id(message: Any) -> str:
+    """Return the job id of a delivery (its tag is ``<job id>#<token>``)."""
+    claim = parse_tag(message.delivery_tag)
+    assert claim is not None
+    return claim[0]
 
 
 def queue(name: str = "q") -> Queue:
@@ -97,11 +104,12 @@ def test_unacked_message_holds_a_lease_until_ack(connect: ConnFactory, store: Jo
     publish(conn, q, ["x"])
     [(_, message)] = drain(conn, q, 1, ack=False)
     assert store.counts("q")["active"] == 1
-    row = store.job("q", message.delivery_tag)
-    assert row["owner"] == keeper().owner
+    row = store.job("q", job_id(message))
+    assert (row["owner"], row["deliveries"]) == (keeper().owner, "1")
+    assert message.delivery_tag == f"{job_id(message)}#1"
     time.sleep(2.5)  # past the lease: the keeper must have renewed it
-    score = store.client.zscore(store.keys("q").active, message.delivery_tag)
-    assert score > time.time() * 1000
+    score = store.client.zscore(store.keys("q").active, job_id(message))
+    assert score > store.server_ms()
     message.ack()
     assert store.counts("q") == {"pending": 0, "active": 0, "dead": 0}
 
@@ -113,7 +121,12 @@ def test_requeue_redelivers_marked(connect: ConnFactory, store: JobStore) -> Non
     first.requeue()
     assert store.counts("q") == {"pending": 1, "active": 0, "dead": 0}
     [(_, second)] = drain(conn, q, 1)
-    assert second.delivery_tag == first.delivery_tag
+    # The same job, claimed again: a new claim, so a new delivery tag.
+    assert job_id(second) == job_id(first)
+    assert (first.delivery_tag, second.delivery_tag) == (
+        f"{job_id(first)}#1",
+        f"{job_id(first)}#2",
+    )
     assert second.delivery_info["redelivered"] is True
     assert second.headers["emq_deliveries"] == 2
     assert second.headers["emq_stalled"] == 0
@@ -125,7 +138,7 @@ def test_reject_without_requeue_goes_to_the_morgue(connect: ConnFactory, store: 
     [(_, message)] = drain(conn, q, 1, ack=False)
     message.reject()
     assert store.counts("q") == {"pending": 0, "active": 0, "dead": 1}
-    assert store.job("q", message.delivery_tag)["last_error"] == "rejected"
+    assert store.job("q", job_id(message))["last_error"] == "rejected"
 
 
 def test_malformed_payload_is_dead_lettered_and_consuming_goes_on(
@@ -167,7 +180,7 @@ def test_closing_a_channel_releases_unacked_at_once(connect: ConnFactory, store:
     got[0][1].channel.close()
     assert store.counts("q") == {"pending": 3, "active": 0, "dead": 0}
     for _, message in got:
-        row = store.job("q", message.delivery_tag)
+        row = store.job("q", job_id(message))
         assert (row["state"], row["stalled"]) == ("pending", "0")
     assert keeper().held_count() == 0
 
@@ -227,13 +240,41 @@ def test_blocked_consumer_wakes_on_publish_without_polling(connect: ConnFactory)
     assert woke[0] - sent[0] < 1.0
 
 
-def test_expiring_queue_keys_carry_a_ttl(connect: ConnFactory, store: JobStore) -> None:
+def test_an_expiring_queue_is_marked_in_use_and_its_rows_never_expire(
+    connect: ConnFactory, store: JobStore
+) -> None:
     conn = connect()
     q = Queue("tmp", Exchange("tmp", "direct"), "tmp", expires=30)
     publish(conn, q, ["x"])
     k = store.keys("tmp")
-    for key in (k.pending, k.wake, k.job(store.client.zrange(k.pending, 0, 0)[0].decode())):
-        assert 0 < store.client.pttl(key) <= 30_000
+    [job] = store.client.zrange(k.pending, 0, -1)
+    assert 0 < store.client.pttl(k.expires) <= 30_000
+    for key in (k.pending, k.wake, k.seq, k.job(job.decode())):
+        assert store.client.pttl(key) == -1, key
+    assert store.client.smembers(store.expiring_key) == {b"tmp"}
+    # An x-expires queue (a reply queue, say) is not a task queue.
+    assert store.queues() == []
+
+
+def test_a_no_ack_consumer_leaves_no_job_and_holds_no_claim(
+    connect: ConnFactory, store: JobStore
+) -> None:
+    conn, q = connect(), queue()
+    publish(conn, q, ["a", "b", "c"])
+    got: list[Any] = []
+    with Consumer(
+        conn.channel(), [q], callbacks=[lambda b, m: got.append(b)], no_ack=True, accept=["json"]
+    ):
+        deadline = time.monotonic() + 5
+        while len(got) < 3 and time.monotonic() < deadline:
+            try:
+                conn.drain_events(timeout=0.5)
+            except TimeoutError:
+                pass
+    assert got == ["a", "b", "c"]
+    assert store.counts("q") == {"pending": 0, "active": 0, "dead": 0}
+    assert store.metrics("q")["completed"] == 3
+    assert keeper().held_count() == 0
 
 
 def test_fanout_broadcast_still_works(connect: ConnFactory) -> None:
@@ -289,9 +330,9 @@ def test_lease_survives_a_dropped_connection(
         if c.get("name") == "emq-contract-drop":
             client.client_kill_filter(_id=c["id"])
     time.sleep(2.5)
-    row = store.job("q", message.delivery_tag)
+    row = store.job("q", job_id(message))
     assert row["state"] == "active"
-    assert store.client.zscore(store.keys("q").active, message.delivery_tag) > time.time() * 1000
+    assert store.client.zscore(store.keys("q").active, job_id(message)) > store.server_ms()
     message.ack()
     assert store.counts("q") == {"pending": 0, "active": 0, "dead": 0}
 
