@@ -362,10 +362,17 @@ class Channel(kombu_redis.Channel):
             self.emq.renew_interval_ms,
         )
         out = []
-        for job, tag in zip(claimed, tags, strict=True):
-            payload = self._decode(queue, job, tag)
-            if payload is not None:
-                out.append((payload, tag))
+        try:
+            for job, tag in zip(claimed, tags, strict=True):
+                payload = self._decode(queue, job, tag)
+                if payload is not None:
+                    out.append((payload, tag))
+        except BaseException:
+            # The caller gets none of the batch: none of it may stay held. (A
+            # claim already dead-lettered is no longer held; releasing it is a no-op.)
+            for tag in tags:
+                self._release(tag)
+            raise
         return out
 
     def _decode(self, queue: str, job: Claimed, tag: str) -> dict[str, Any] | None:
@@ -376,6 +383,10 @@ class Channel(kombu_redis.Channel):
             headers = payload.setdefault("headers", {})
             if not isinstance(props, dict) or not isinstance(headers, dict):
                 raise TypeError("properties and headers must be objects")
+            if payload.get("body"):
+                # What kombu will do to build the message: a body it cannot
+                # decode must go to the morgue here, not fail every delivery.
+                self.decode_body(payload["body"], props.get("body_encoding"))
         except Exception as exc:
             logger.error("celery_emq: job %s in %s cannot be decoded: %r", job.id, queue, exc)
             self._bury(tag, "malformed", f"{type(exc).__name__}: {exc}")

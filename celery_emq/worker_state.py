@@ -182,9 +182,10 @@ def _install_start_recorder() -> None:
     global _start_recorder_installed
     if _start_recorder_installed:
         return
-    from celery.signals import task_prerun
+    from celery.signals import task_postrun, task_prerun
 
     task_prerun.connect(_record_start, weak=False, dispatch_uid="celery_emq.record_start")
+    task_postrun.connect(_ack_success, weak=False, dispatch_uid="celery_emq.ack_success")
     _start_recorder_installed = True
 
 
@@ -213,6 +214,36 @@ def _record_start(sender: Any = None, task: Any = None, **kwargs: Any) -> None:
             queue,
             exc_info=True,
         )
+
+
+def _ack_success(sender: Any = None, task: Any = None, state: Any = None, **kwargs: Any) -> None:
+    """Ack at once a succeeded ``acks_late`` task whose claim this very process holds.
+
+    Under solo, threads or gevent a task runs in the process that holds its
+    claim, and Celery defers its ack to the next turn of the event loop: a
+    whole claimed batch can run before any of its acks is sent. A task later
+    in the batch that kills the worker would then leave the earlier, finished
+    tasks to be charged a stall and run again. Acking here, after the result
+    is stored, leaves Celery's own ack nothing to do. (A prefork child does
+    not hold the claim; its worker acks as soon as the result comes back.)
+    """
+    from .lease import delivery_tag, keeper
+
+    if state != "SUCCESS" or not getattr(task, "acks_late", False):
+        return
+    claim = getattr(getattr(task, "request", None), CLAIM_HEADER, None)
+    if not isinstance(claim, list | tuple) or len(claim) != 3:
+        return
+    _queue, job_id, token = claim
+    held = keeper().forget(delivery_tag(job_id, int(token)))
+    if held is None:
+        return
+    try:
+        held.store.ack(held.queue, held.job_id, held.token)
+    except Exception:
+        # Held again so that Celery's own ack settles it.
+        keeper().hold(held.store, held.queue, [(held.job_id, held.token)], held.store.lease_ms // 3)
+        logger.warning("celery_emq: early ack of job %s failed", job_id, exc_info=True)
 
 
 _child_stores: dict[int, Any] = {}

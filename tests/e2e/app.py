@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from typing import Any
 
@@ -97,6 +98,34 @@ def spin(seconds: float, tag: str) -> str:
     while time.monotonic() < end:
         n += sum(i * i for i in range(1000))
     rec().rpush(PREFIX + "done", tag)
+    return tag
+
+
+@app.task(bind=True)
+def sleepy_here(self: Any, seconds: float, tag: str) -> str:
+    """Like ``sleepy``, also recording which worker started and finished each run.
+
+    Node names go to ``<prefix>ran-on:<tag>`` when a run starts and to
+    ``<prefix>done-on:<tag>`` when it finishes.
+    """
+    note_run(tag)
+    rec().rpush(PREFIX + "ran-on:" + tag, self.request.hostname)
+    time.sleep(seconds)
+    pipe = rec().pipeline()
+    pipe.rpush(PREFIX + "done", tag)
+    pipe.rpush(PREFIX + "done-on:" + tag, self.request.hostname)
+    pipe.execute()
+    return tag
+
+
+def note_unpickled(prefix: str, tag: str) -> str:
+    """Append the loading process's command line to ``<prefix>unpickled:<tag>``.
+
+    A pickle naming this function calls it when loaded. The key prefix is an
+    argument, not this module's ``PREFIX``, so the mark lands under the test's
+    prefix in whichever process unpickles it, and says which process that was.
+    """
+    rec().rpush(prefix + "unpickled:" + tag, f"{os.getpid()} {' '.join(sys.argv)}")
     return tag
 
 

@@ -36,6 +36,20 @@ def lapsed_leases(client: Any, active_key: str) -> list[bytes]:
     ]
 
 
+def run_celery(
+    env: dict[str, str], *args: str, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """Run ``celery -A tests.e2e.app <args>`` with ``env`` added; return it finished."""
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tests.e2e.app", *args],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 class Worker:
     """One ``celery worker`` subprocess, logging to a file."""
 

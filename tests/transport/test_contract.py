@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -169,6 +170,28 @@ def test_malformed_payload_is_dead_lettered_and_consuming_goes_on(
     assert (row["state"], row["last_error"], row["reason"]) == ("dead", "malformed", "malformed")
     assert "TypeError" in row["error"]
     assert store.counts("q") == {"pending": 0, "active": 0, "dead": 1}
+
+
+def test_a_body_kombu_cannot_decode_is_dead_lettered_not_redelivered(
+    connect: ConnFactory, store: JobStore
+) -> None:
+    conn, q = connect(), queue()
+    publish(conn, q, ["before"])
+    envelope = {"headers": {}, "content-type": "application/json", "content-encoding": "utf-8"}
+    bad_padding = {**envelope, "body": "abc", "properties": {"body_encoding": "base64"}}
+    unknown = {**envelope, "body": "abc", "properties": {"body_encoding": "rot13"}}
+    store.enqueue("q", "padding", json.dumps(bad_padding))
+    store.enqueue("q", "encoding", json.dumps(unknown))
+    publish(conn, q, ["after"])
+    got = drain(conn, q, 2)
+    assert [b for b, _ in got] == ["before", "after"]
+    rows = {j: store.job("q", j) for j in ("padding", "encoding")}
+    assert {j: (r["state"], r["reason"]) for j, r in rows.items()} == {
+        "padding": ("dead", "malformed"),
+        "encoding": ("dead", "malformed"),
+    }
+    assert store.counts("q") == {"pending": 0, "active": 0, "dead": 2}
+    assert keeper().held_count() == 0
 
 
 def test_closing_a_channel_releases_unacked_at_once(connect: ConnFactory, store: JobStore) -> None:
