@@ -1,0 +1,597 @@
+"""A stateful model of the job store, checked against the real scripts on a real Redis.
+
+Three workers share one queue while a clock moves: they enqueue (into the default
+lane or one of two fair lanes, at priorities 0..2, some jobs with a stall budget
+of their own), claim (plainly, after popping a wake marker, or never: a marker
+popped and lost by a consumer killed between BRPOP and claim), start, extend,
+ack, release, bury and charge their claims, and settle stale claims they held
+earlier, while sweeps, reaps, retries, purges and trims run in between.
+
+A Python model says from the rules alone what every call must answer and where
+every job must be, and the keys are read back after each step:
+
+* each job is in exactly one of its lane, ``active`` or ``dead``, or gone with
+  its row; the row's ``state`` says where it is; a claimed job's ``deliveries``
+  is the model's live token, its lease deadline and owner are the model's;
+* each lane holds its jobs in the model's order: priority, then jobs put back
+  (newest batch first, a batch in its own order), then FIFO;
+* stall counts are the lapses the model counted: a lapsed claim counts only if
+  its task had started, a charge always does;
+* a settle never changes a live claim of another job, and a stale settle none;
+* the counters add up to what the model counted.
+
+Wake markers: a script keeps one marker per claimable job, and only a consumer
+that pops a marker and then dies (it never claims) can take one away for
+nothing. So ``LLEN(wake) <= claimable`` always, and
+``claimable - LLEN(wake) <= markers lost since the queue was last empty``
+(when nothing is claimable the list is empty, so the deficit starts from 0).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import hypothesis.strategies as st
+import redis
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from celery_emq.scripts import UNSET, Claimed, Outcome, Swept
+from celery_emq.store import JobStore
+from tests.conftest import REDIS_URL, delete_prefix
+
+QUEUE = "q"
+LEASE_MS = 1000
+OWNERS = ("w0", "w1", "w2")
+GROUPS = ("ga", "gb")
+LANES = ("", *GROUPS)
+#: The sweep's budget for jobs that carry none of their own.
+DEFAULT_BUDGET = 1
+METRICS = ("completed", "recovered", "stalled", "failed", "retried")
+#: Which claim a settle names (see ``JobStoreModel._draw_claim``).
+KINDS = ("live", "fenced", "lapsed", "any")
+#: A job to publish: priority, lane ('' is the default lane) and stall budget (UNSET: default).
+#: Half the jobs share priority 0 and the default lane, so batches put back share a lane.
+JOBS = st.tuples(
+    st.sampled_from([0, 0, 1, 2]),
+    st.sampled_from(["", "", *GROUPS]),
+    st.sampled_from([UNSET, None, 0, 2]),
+)
+
+
+@dataclass
+class Job:
+    """What the model knows of one job."""
+
+    id: str
+    payload: bytes
+    priority: int
+    group: str
+    budget: Any  # UNSET (the sweep's default), None (never dead-letter) or an int
+    state: str = "pending"  # pending | active | dead | gone
+    order: tuple[int, int] = (0, 0)  # (priority, position) in its lane while pending
+    deliveries: int = 0
+    started: int = 0
+    stalled: int = 0
+    owner: str = ""
+    deadline: int = 0
+    died_ms: int = 0
+
+
+@dataclass(frozen=True)
+class Claim:
+    owner: str
+    id: str
+    token: int
+
+
+class JobStoreModel(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.client = redis.Redis.from_url(REDIS_URL)
+        self.prefix = f"t{uuid.uuid4().hex[:10]}:"
+        self.store = JobStore(self.client, self.prefix + "emq", lease_ms=LEASE_MS)
+        self.k = self.store.keys(QUEUE)
+        self.now = 1_000_000
+        self.jobs: dict[str, Job] = {}
+        self.claims: list[Claim] = []
+        self.holding: dict[str, list[tuple[str, int]]] = {o: [] for o in OWNERS}
+        # Ordering state: tail and head positions, the groups with a lane, the lane served last.
+        self.tail = 0
+        self.head = 0
+        self.lanes: set[str] = set()
+        self.cursor = ""
+        self.wake = 0
+        self.lost = 0
+        self.metrics = dict.fromkeys(METRICS, 0)
+
+    def teardown(self) -> None:
+        delete_prefix(self.client, self.prefix)
+        self.client.close()
+
+    # -- the model --------------------------------------------------------------------
+
+    def _in(self, *states: str) -> list[Job]:
+        return [j for j in self.jobs.values() if j.state in states]
+
+    def _lane(self, lane: str) -> list[Job]:
+        jobs = [j for j in self._in("pending") if j.group == lane]
+        return sorted(jobs, key=lambda j: (j.order, j.id))
+
+    def _live(self, c: Claim) -> bool:
+        job = self.jobs[c.id]
+        return job.state == "active" and job.deliveries == c.token
+
+    def _take_marker(self) -> None:
+        self.wake = max(0, self.wake - 1)
+
+    def _to_front(self, batch: list[Job | None]) -> None:
+        """Put a batch back at the front of its lanes, in order (``None`` keeps a place)."""
+        n = len(batch)
+        for i, job in enumerate(batch):
+            if job is not None:
+                job.state, job.owner = "pending", ""
+                job.order = (job.priority, -(self.head + n - i))
+                if job.group:
+                    self.lanes.add(job.group)
+                self.wake += 1
+        self.head += n
+
+    def _kill(self, job: Job) -> None:
+        job.state, job.owner, job.died_ms = "dead", "", self.now
+
+    def _pop(self, lane: str) -> Job | None:
+        jobs = self._lane(lane)
+        return jobs[0] if jobs else None
+
+    def _claim_model(self, owner: str, count: int, held: int) -> list[Claimed]:
+        taken: list[Job] = []
+        if not self.lanes:
+            taken = self._lane("")[:count]
+            for job in taken:
+                job.state = "active"
+        else:
+            # One job at a time over the default lane, then each group in name order.
+            last, misses = self.cursor, 0
+            while len(taken) < count and misses <= 1:
+                after = sorted(g for g in self.lanes if g > last)
+                nxt = after[0] if after else None
+                lane = last = nxt or ""
+                job = self._pop(lane)
+                if job is not None:
+                    job.state = "active"
+                    taken.append(job)
+                    misses = 0
+                elif nxt is None:
+                    misses += 1
+                if nxt is not None and not self._lane(nxt):
+                    self.lanes.discard(nxt)
+            self.cursor = last
+        expected = []
+        for job in taken:
+            job.deliveries += 1
+            job.owner, job.deadline = owner, self.now + LEASE_MS
+            self.claims.append(Claim(owner, job.id, job.deliveries))
+            self.holding[owner].append((job.id, job.deliveries))
+            expected.append(Claimed(job.id, job.payload, job.stalled, job.deliveries))
+        if not self._in("pending") and not self.lanes:
+            self.wake, self.cursor = 0, ""
+        else:
+            self.wake = max(0, self.wake - (len(taken) - held))
+        return expected
+
+    def _ack_model(self, job_id: str, token: int) -> Outcome:
+        job = self.jobs[job_id]
+        if job.state == "gone":
+            return Outcome.NOT_FOUND
+        if job.state == "active" and job.deliveries != token:
+            return Outcome.FENCED
+        outcome = {
+            "active": Outcome.OK,
+            "dead": Outcome.DEAD,
+            "pending": Outcome.LEASE_LOST,
+        }[job.state]
+        if job.state == "pending":
+            self._take_marker()
+        job.state = "gone"
+        self.metrics["completed"] += 1
+        return outcome
+
+    def _stall(self, job: Job) -> Swept:
+        """Count one stall on an examined claim: recover or dead-letter it."""
+        job.stalled += 1
+        self.metrics["stalled"] += 1
+        budget = DEFAULT_BUDGET if job.budget is UNSET else job.budget
+        if budget is not None and job.stalled > budget:
+            self._kill(job)
+            self.metrics["failed"] += 1
+            return Swept(job.id, "dead", job.stalled, job.payload)
+        self.metrics["recovered"] += 1
+        return Swept(job.id, "recovered", job.stalled, job.payload)
+
+    def _lapsed(self, limit: int) -> list[Job]:
+        jobs = [j for j in self._in("active") if j.deadline <= self.now]
+        return sorted(jobs, key=lambda j: (j.deadline, j.id))[:limit]
+
+    def _forget(self, c: Claim) -> None:
+        held = self.holding[c.owner]
+        if (c.id, c.token) in held:
+            held.remove((c.id, c.token))
+
+    def _draw_claim(self, data: st.DataObject, kind: str) -> Claim:
+        """Draw a claim of one kind (any claim when there is none of that kind).
+
+        ``live``: the job's live claim; ``fenced``: an older claim of a job a newer
+        claim holds; ``lapsed``: an older claim of a job now pending or dead.
+        """
+        if kind == "live":
+            pool = [c for c in self.claims if self._live(c)]
+        elif kind == "fenced":
+            pool = [c for c in self.claims if self.jobs[c.id].state == "active"]
+            pool = [c for c in pool if not self._live(c)]
+        elif kind == "lapsed":
+            pool = [c for c in self.claims if self.jobs[c.id].state in ("pending", "dead")]
+        else:
+            pool = []
+        return data.draw(st.sampled_from(pool or self.claims))
+
+    # -- reading the keys -------------------------------------------------------------
+
+    def _others(self, claims: list[Claim]) -> dict[str, Any]:
+        """Read the keys of every live claim but those ``claims`` settle (before the model)."""
+        settled = {c.id for c in claims if self._live(c)}
+        return self._read_claims([j.id for j in self._in("active") if j.id not in settled])
+
+    def _read_claims(self, ids: list[str]) -> dict[str, Any]:
+        with self.client.pipeline(transaction=False) as pipe:
+            for i in ids:
+                pipe.zscore(self.k.active, i).hgetall(self.k.job(i))
+                pipe.zscore(self.k.pending, i).zscore(self.k.dead, i)
+                for g in GROUPS:
+                    pipe.zscore(self.k.lane(g), i)
+            replies = pipe.execute()
+        per = 4 + len(GROUPS)
+        return {i: replies[n * per : (n + 1) * per] for n, i in enumerate(ids)}
+
+    def _untouched(self, before: dict[str, Any]) -> None:
+        assert self._read_claims(list(before)) == before
+
+    # -- rules ------------------------------------------------------------------------
+
+    # Hypothesis favours small integers: name the lease's edges and a long stride too.
+    @rule(ms=st.integers(0, 3000) | st.sampled_from([LEASE_MS - 1, LEASE_MS, LEASE_MS + 1, 3000]))
+    def advance(self, ms: int) -> None:
+        self.now += ms
+
+    def _enqueue(self, priority: int, group: str, budget: Any) -> None:
+        job_id = f"j{len(self.jobs):03d}"
+        payload = f'{{"id": "{job_id}"}}'.encode()
+        outcome = self.store.enqueue(
+            QUEUE,
+            job_id,
+            payload,
+            priority=priority,
+            now_ms=self.now,
+            max_stalled=budget,
+            group=group,
+        )
+        assert outcome == Outcome.OK
+        self.tail += 1
+        self.jobs[job_id] = Job(
+            job_id, payload, priority, group, budget, order=(priority, self.tail)
+        )
+        if group:
+            self.lanes.add(group)
+        self.wake += 1
+
+    @initialize(jobs=st.lists(JOBS, min_size=2, max_size=6))
+    def publish_some(self, jobs: list[tuple[int, str, Any]]) -> None:
+        for job in jobs:
+            self._enqueue(*job)
+
+    @rule(data=st.data(), jobs=st.lists(JOBS, min_size=1, max_size=3), again=st.booleans())
+    def enqueue(self, data: st.DataObject, jobs: list[tuple[int, str, Any]], again: bool) -> None:
+        for job in jobs:
+            self._enqueue(*job)
+        if again:
+            # A publish that reuses the id of a job still held changes nothing.
+            job = data.draw(st.sampled_from(self._in("pending", "active", "dead")))
+            outcome = self.store.enqueue(QUEUE, job.id, b"other", now_ms=self.now, group="gb")
+            assert outcome == Outcome.DUPLICATE
+
+    def _run(self, claimed: list[Claimed]) -> None:
+        """Start the task of every claim at once, as a worker with nothing prefetched does."""
+        for c in claimed:
+            assert self.store.start(QUEUE, c.id, c.deliveries) == Outcome.OK
+            self.jobs[c.id].started = c.deliveries
+
+    @precondition(lambda self: self._in("pending"))
+    @rule(owner=st.sampled_from(OWNERS), count=st.integers(1, 3), run=st.booleans())
+    def claim(self, owner: str, count: int, run: bool) -> None:
+        expected = self._claim_model(owner, count, held=0)
+        claimed = self.store.claim(QUEUE, owner, count, now_ms=self.now)
+        assert claimed == expected
+        if run:
+            self._run(claimed)
+
+    @precondition(lambda self: self._in("pending"))
+    @rule(owner=st.sampled_from(OWNERS), count=st.integers(1, 3), run=st.booleans())
+    def claim_woken(self, owner: str, count: int, run: bool) -> None:
+        marker = self.client.rpop(self.k.wake)
+        assert (marker is None) == (self.wake == 0)
+        # Without a marker the consumer's wait times out and it claims anyway (its scan).
+        held = 0 if marker is None else 1
+        self._take_marker()
+        expected = self._claim_model(owner, count, held=held)
+        claimed = self.store.claim(QUEUE, owner, count, held=held, now_ms=self.now)
+        assert claimed == expected
+        if run:
+            self._run(claimed)
+
+    @rule()
+    def lose_marker(self) -> None:
+        marker = self.client.rpop(self.k.wake)
+        assert (marker is None) == (self.wake == 0)
+        if marker is not None:
+            self._take_marker()
+            self.lost += 1
+
+    @precondition(lambda self: self.claims)
+    @rule(data=st.data(), kind=st.sampled_from(["live", "live", "fenced", "any"]))
+    def start(self, data: st.DataObject, kind: str) -> None:
+        c = self._draw_claim(data, kind)
+        before = self._others([c])
+        job = self.jobs[c.id]
+        if job.state != "active":
+            expected = Outcome.NOT_FOUND
+        elif job.deliveries != c.token:
+            expected = Outcome.FENCED
+        else:
+            expected = Outcome.OK
+            job.started = c.token
+        assert self.store.start(QUEUE, c.id, c.token) == expected
+        self._untouched(before)
+
+    @rule(owner=st.sampled_from(OWNERS))
+    def extend(self, owner: str) -> None:
+        held = list(self.holding[owner])
+        lost = []
+        for job_id, token in held:
+            job = self.jobs[job_id]
+            if job.state == "active" and job.deliveries == token:
+                job.deadline = self.now + LEASE_MS
+            else:
+                lost.append((job_id, token))
+        assert self.store.extend(QUEUE, held, now_ms=self.now) == lost
+        self.holding[owner] = [c for c in held if c not in lost]
+
+    @precondition(lambda self: self.claims)
+    @rule(data=st.data(), kind=st.sampled_from(KINDS))
+    def ack(self, data: st.DataObject, kind: str) -> None:
+        c = self._draw_claim(data, kind)
+        before = self._others([c])
+        expected = self._ack_model(c.id, c.token)
+        assert self.store.ack(QUEUE, c.id, c.token) == expected
+        self._untouched(before)
+        self._forget(c)
+
+    @precondition(lambda self: self.claims)
+    @rule(data=st.data())
+    def ack_many(self, data: st.DataObject) -> None:
+        claims = data.draw(st.lists(st.sampled_from(self.claims), min_size=1, max_size=3))
+        before = self._others(claims)
+        expected = [self._ack_model(c.id, c.token) for c in claims]
+        assert self.store.ack_many(QUEUE, [(c.id, c.token) for c in claims]) == expected
+        self._untouched(before)
+        for c in claims:
+            self._forget(c)
+
+    @precondition(lambda self: self.claims)
+    @rule(data=st.data(), kind=st.sampled_from(KINDS))
+    def release(self, data: st.DataObject, kind: str) -> None:
+        c = self._draw_claim(data, kind)
+        before = self._others([c])
+        job = self.jobs[c.id]
+        if job.state != "active":
+            expected = Outcome.NOT_FOUND
+        elif job.deliveries != c.token:
+            expected = Outcome.FENCED
+        else:
+            expected = Outcome.OK
+            self._to_front([job])
+        assert self.store.release(QUEUE, c.id, c.token) == expected
+        self._untouched(before)
+        self._forget(c)
+
+    @precondition(lambda self: self.claims)
+    @rule(data=st.data(), kind=st.sampled_from(KINDS))
+    def bury(self, data: st.DataObject, kind: str) -> None:
+        c = self._draw_claim(data, kind)
+        before = self._others([c])
+        job = self.jobs[c.id]
+        if job.state in ("gone", "dead"):
+            expected = Outcome.NOT_FOUND
+        elif job.state == "active" and job.deliveries != c.token:
+            expected = Outcome.FENCED
+        else:
+            # From the live claim, or from pending after that claim lapsed.
+            expected = Outcome.OK
+            if job.state == "pending":
+                self._take_marker()
+            self._kill(job)
+            self.metrics["failed"] += 1
+        outcome = self.store.bury(QUEUE, c.id, c.token, "rejected", "no", now_ms=self.now)
+        assert outcome == expected
+        self._untouched(before)
+        self._forget(c)
+
+    @precondition(lambda self: self.claims)
+    @rule(data=st.data(), kind=st.sampled_from(KINDS))
+    def charge(self, data: st.DataObject, kind: str) -> None:
+        c = self._draw_claim(data, kind)
+        before = self._others([c])
+        expected = None
+        if self._live(c):
+            job = self.jobs[c.id]
+            expected = self._stall(job)
+            self._to_front([job if expected.outcome == "recovered" else None])
+        swept = self.store.charge(
+            QUEUE, c.id, c.token, DEFAULT_BUDGET, "worker_lost", now_ms=self.now
+        )
+        assert swept == expected
+        self._untouched(before)
+        self._forget(c)
+
+    @precondition(lambda self: self._lapsed(1))
+    @rule(limit=st.sampled_from([1, 2, 500]))
+    def sweep(self, limit: int) -> None:
+        batch = self._lapsed(limit)
+        expected, front = [], []
+        for job in batch:
+            if job.started != job.deliveries:
+                expected.append(Swept(job.id, "requeued", job.stalled, job.payload))
+                front.append(job)
+            else:
+                swept = self._stall(job)
+                expected.append(swept)
+                front.append(job if swept.outcome == "recovered" else None)
+        self._to_front(front)
+        assert self.store.sweep(QUEUE, DEFAULT_BUDGET, limit=limit, now_ms=self.now) == expected
+
+    @precondition(lambda self: self._lapsed(1))
+    @rule(limit=st.sampled_from([1, 2, 500]))
+    def reap(self, limit: int) -> None:
+        batch = self._lapsed(limit)
+        self._to_front(list(batch))
+        assert self.store.reap(QUEUE, limit=limit, now_ms=self.now) == [j.id for j in batch]
+
+    @precondition(lambda self: self._in("dead"))
+    @rule(data=st.data(), other=st.booleans())
+    def retry(self, data: st.DataObject, other: bool) -> None:
+        dead = sorted(j.id for j in self._in("dead"))
+        ids = data.draw(st.lists(st.sampled_from(dead), min_size=1, max_size=3, unique=True))
+        if other:
+            # An id that is not dead (pending, active or gone) is passed over.
+            ids.append(data.draw(st.sampled_from(sorted(self.jobs))))
+        batch: list[Job | None] = []
+        for i in ids:
+            job = self.jobs[i]
+            if job.state == "dead" and all(job is not b for b in batch):
+                job.stalled = 0
+                self.metrics["retried"] += 1
+                batch.append(job)
+            else:
+                batch.append(None)
+        self._to_front(batch)
+        moved = [j.id for j in batch if j is not None]
+        assert self.store.retry(QUEUE, ids, now_ms=self.now) == moved
+
+    @precondition(lambda self: len(self._in("pending")) >= 3)
+    @rule()
+    def purge(self) -> None:
+        pending = self._in("pending")
+        for job in pending:
+            job.state = "gone"
+        self.lanes.clear()
+        self.wake, self.cursor = 0, ""
+        assert self.store.purge(QUEUE) == len(pending)
+
+    @precondition(lambda self: self._in("dead"))
+    @rule(data=st.data())
+    def purge_dead(self, data: st.DataObject) -> None:
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.jobs)), min_size=1, max_size=3))
+        gone = 0
+        for i in ids:
+            if self.jobs[i].state == "dead":
+                self.jobs[i].state = "gone"
+                gone += 1
+        assert self.store.purge_dead(QUEUE, ids) == gone
+
+    @precondition(lambda self: len(self._in("dead")) >= 2)
+    @rule(max_size=st.integers(1, 2), max_age_ms=st.sampled_from([0, 2000]))
+    def trim(self, max_size: int, max_age_ms: int) -> None:
+        dead = sorted(self._in("dead"), key=lambda j: (j.died_ms, j.id))
+        doomed = [j for j in dead if max_age_ms and j.died_ms < self.now - max_age_ms]
+        doomed += dead[len(doomed) :][: max(0, len(dead) - len(doomed) - max_size)]
+        for job in doomed:
+            job.state = "gone"
+        n = self.store.trim(QUEUE, max_age_ms=max_age_ms, max_size=max_size, now_ms=self.now)
+        assert n == len(doomed)
+
+    # -- invariants -------------------------------------------------------------------
+
+    @invariant()
+    def keys_agree_with_the_model(self) -> None:
+        k = self.k
+        ids = sorted(self.jobs)
+        places = {"active": k.active, "dead": k.dead, "": k.pending}
+        places.update({g: k.lane(g) for g in GROUPS})
+        with self.client.pipeline(transaction=False) as pipe:
+            for i in ids:
+                pipe.hgetall(k.job(i))
+            for key in places.values():
+                pipe.zrange(key, 0, -1, withscores=True)
+            pipe.zrange(k.lanes, 0, -1).llen(k.wake).get(k.cursor)
+            for name in METRICS:
+                pipe.hget(k.metrics(name), "count")
+            replies = pipe.execute()
+        rows = {
+            i: {f.decode(): v.decode() for f, v in r.items()}
+            for i, r in zip(ids, replies[: len(ids)], strict=True)
+        }
+        zsets = dict(zip(places, replies[len(ids) : len(ids) + len(places)], strict=True))
+        lanes, llen, cursor, *counts = replies[len(ids) + len(places) :]
+
+        seen: dict[str, list[str]] = {}
+        for place, members in zsets.items():
+            for member, _ in members:
+                seen.setdefault(member.decode(), []).append(place)
+        assert set(seen) <= set(self.jobs)
+        for i, job in self.jobs.items():
+            row = rows[i]
+            if job.state == "gone":
+                assert row == {} and i not in seen
+                continue
+            where = job.group if job.state == "pending" else job.state
+            assert seen.get(i) == [where]
+            assert row["state"] == job.state
+            assert int(row["deliveries"]) == job.deliveries
+            assert int(row["stalled"]) == job.stalled
+            assert row.get("started", "") == (str(job.started) if job.started else "")
+            assert row.get("group", "") == job.group
+            assert row.get("owner", "") == (job.owner if job.state == "active" else "")
+
+        for place, members in zsets.items():
+            got = [(m.decode(), int(s)) for m, s in members]
+            if place == "active":
+                jobs = sorted(self._in("active"), key=lambda j: (j.deadline, j.id))
+                assert got == [(j.id, j.deadline) for j in jobs]
+            elif place == "dead":
+                jobs = sorted(self._in("dead"), key=lambda j: (j.died_ms, j.id))
+                assert got == [(j.id, j.died_ms) for j in jobs]
+                assert all(int(rows[j.id]["died_ms"]) == j.died_ms for j in jobs)
+            else:
+                assert [m for m, _ in got] == [j.id for j in self._lane(place)]
+        assert {g.decode() for g in lanes} == self.lanes
+        assert (cursor or b"").decode() == self.cursor
+
+        claimable = len(self._in("pending"))
+        assert llen == self.wake
+        assert llen <= claimable
+        assert claimable - llen <= self.lost
+        if claimable == 0:
+            self.lost = 0
+
+        assert dict(zip(METRICS, (int(n or 0) for n in counts), strict=True)) == self.metrics
+
+
+TestJobStoreModel = JobStoreModel.TestCase
+TestJobStoreModel.settings = settings(
+    max_examples=100,
+    stateful_step_count=80,
+    deadline=None,
+    derandomize=False,
+    suppress_health_check=[HealthCheck.too_slow],
+)
