@@ -1,11 +1,13 @@
 """A stateful model of the job store, checked against the real scripts on a real Redis.
 
-Three workers share one queue while a clock moves: they enqueue (into the default
-lane or one of two fair lanes, at priorities 0..2, some jobs with a stall budget
-of their own), claim (plainly, after popping a wake marker, or never: a marker
-popped and lost by a consumer killed between BRPOP and claim), start, extend,
-ack, release, bury and charge their claims, and settle stale claims they held
-earlier, while sweeps, reaps, retries, purges and trims run in between.
+Three workers share one queue while a clock moves (every call names ``now_ms``):
+they enqueue (into the default lane or one of two fair lanes, at priorities 0..2,
+some jobs with a stall budget of their own), claim (plainly, after popping a wake
+marker, or never: a marker popped and lost by a consumer killed between BRPOP and
+claim), start, extend, ack, release, bury and charge their claims, freeze (their
+claims lapse unless they resume in time), and settle stale claims they held
+earlier, while sweeps, reaps, retries, purges and trims run in between. Every
+claim ever made is kept, so stale tokens keep being tried.
 
 A Python model says from the rules alone what every call must answer and where
 every job must be, and the keys are read back after each step:
@@ -15,8 +17,8 @@ every job must be, and the keys are read back after each step:
   is the model's live token, its lease deadline and owner are the model's;
 * each lane holds its jobs in the model's order: priority, then jobs put back
   (newest batch first, a batch in its own order), then FIFO;
-* stall counts are the lapses the model counted: a lapsed claim counts only if
-  its task had started, a charge always does;
+* stall counts (and history entries) are the lapses the model counted: a lapsed
+  claim counts only if its task had started, a charge always does;
 * a settle never changes a live claim of another job, and a stale settle none;
 * the counters add up to what the model counted.
 
@@ -29,6 +31,7 @@ nothing. So ``LLEN(wake) <= claimable`` always, and
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -46,12 +49,19 @@ QUEUE = "q"
 LEASE_MS = 1000
 OWNERS = ("w0", "w1", "w2")
 GROUPS = ("ga", "gb")
-LANES = ("", *GROUPS)
+#: Most stalls a row's history keeps.
+HISTORY = 20
 #: The sweep's budget for jobs that carry none of their own.
 DEFAULT_BUDGET = 1
 METRICS = ("completed", "recovered", "stalled", "failed", "retried")
-#: Which claim a settle names (see ``JobStoreModel._draw_claim``).
+#: Which claim a settle names (see ``JobStoreModel._claims_of``).
 KINDS = ("live", "fenced", "lapsed", "any")
+# Hypothesis leans towards the first of sampled values: put the ones that make
+# several claims lapse together (and so batches go back together) first.
+#: How many jobs one claim asks for.
+COUNTS = st.sampled_from([3, 2, 1])
+#: How many lapsed claims one sweep or reap examines.
+LIMITS = st.sampled_from([500, 2, 1])
 #: A job to publish: priority, lane ('' is the default lane) and stall budget (UNSET: default).
 #: Half the jobs share priority 0 and the default lane, so batches put back share a lane.
 JOBS = st.tuples(
@@ -75,6 +85,7 @@ class Job:
     deliveries: int = 0
     started: int = 0
     stalled: int = 0
+    stalls: int = 0  # every stall counted, retries included: the history's entries
     owner: str = ""
     deadline: int = 0
     died_ms: int = 0
@@ -98,6 +109,8 @@ class JobStoreModel(RuleBasedStateMachine):
         self.jobs: dict[str, Job] = {}
         self.claims: list[Claim] = []
         self.holding: dict[str, list[tuple[str, int]]] = {o: [] for o in OWNERS}
+        # Claims a frozen worker held: it neither settles nor renews them until it resumes.
+        self.frozen: dict[str, list[tuple[str, int]]] = {o: [] for o in OWNERS}
         # Ordering state: tail and head positions, the groups with a lane, the lane served last.
         self.tail = 0
         self.head = 0
@@ -202,6 +215,7 @@ class JobStoreModel(RuleBasedStateMachine):
     def _stall(self, job: Job) -> Swept:
         """Count one stall on an examined claim: recover or dead-letter it."""
         job.stalled += 1
+        job.stalls += 1
         self.metrics["stalled"] += 1
         budget = DEFAULT_BUDGET if job.budget is UNSET else job.budget
         if budget is not None and job.stalled > budget:
@@ -215,17 +229,21 @@ class JobStoreModel(RuleBasedStateMachine):
         jobs = [j for j in self._in("active") if j.deadline <= self.now]
         return sorted(jobs, key=lambda j: (j.deadline, j.id))[:limit]
 
+    def _frozen(self, c: Claim) -> bool:
+        return (c.id, c.token) in self.frozen[c.owner]
+
     def _forget(self, c: Claim) -> None:
-        held = self.holding[c.owner]
-        if (c.id, c.token) in held:
-            held.remove((c.id, c.token))
+        for held in (self.holding[c.owner], self.frozen[c.owner]):
+            if (c.id, c.token) in held:
+                held.remove((c.id, c.token))
 
     def _claims_of(self, kind: str) -> list[Claim]:
-        """``live``: the job's live claim; ``fenced``: an older claim of a job a newer
-        claim holds; ``lapsed``: an older claim of a job now pending or dead; ``any``.
+        """``live``: the job's live claim (its worker not frozen); ``fenced``: an
+        older claim of a job a newer claim holds; ``lapsed``: an older claim of a job
+        now pending or dead; ``any``.
         """
         if kind == "live":
-            return [c for c in self.claims if self._live(c)]
+            return [c for c in self.claims if self._live(c) and not self._frozen(c)]
         if kind == "fenced":
             pool = [c for c in self.claims if self.jobs[c.id].state == "active"]
             return [c for c in pool if not self._live(c)]
@@ -234,32 +252,32 @@ class JobStoreModel(RuleBasedStateMachine):
         return self.claims
 
     def _draw_claim(self, data: st.DataObject, kind: str) -> Claim:
-        """Draw a claim of one kind, or of the first kind there is one of."""
-        pool = next(
-            p for k in (kind, "live", "lapsed", "fenced", "any") if (p := self._claims_of(k))
-        )
-        return data.draw(st.sampled_from(pool))
+        """Draw a claim of one kind, or any claim when there is none of that kind."""
+        return data.draw(st.sampled_from(self._claims_of(kind) or self.claims))
 
     # -- reading the keys -------------------------------------------------------------
 
-    def _others(self, claims: list[Claim]) -> dict[str, Any]:
+    def _others(self, claims: list[Claim]) -> tuple[list[str], Any]:
         """Read the keys of every live claim but those ``claims`` settle (before the model)."""
         settled = {c.id for c in claims if self._live(c)}
-        return self._read_claims([j.id for j in self._in("active") if j.id not in settled])
+        ids = [j.id for j in self._in("active") if j.id not in settled]
+        return ids, self._read_claims(ids)
 
-    def _read_claims(self, ids: list[str]) -> dict[str, Any]:
+    def _read_claims(self, ids: list[str]) -> Any:
+        """Each job's row, and its score in every set (``None`` where it is not)."""
+        if not ids:
+            return []
+        k = self.k
         with self.client.pipeline(transaction=False) as pipe:
+            for key in (k.active, k.pending, k.dead, *(k.lane(g) for g in GROUPS)):
+                pipe.zmscore(key, ids)
             for i in ids:
-                pipe.zscore(self.k.active, i).hgetall(self.k.job(i))
-                pipe.zscore(self.k.pending, i).zscore(self.k.dead, i)
-                for g in GROUPS:
-                    pipe.zscore(self.k.lane(g), i)
-            replies = pipe.execute()
-        per = 4 + len(GROUPS)
-        return {i: replies[n * per : (n + 1) * per] for n, i in enumerate(ids)}
+                pipe.hgetall(k.job(i))
+            return pipe.execute()
 
-    def _untouched(self, before: dict[str, Any]) -> None:
-        assert self._read_claims(list(before)) == before
+    def _untouched(self, before: tuple[list[str], Any]) -> None:
+        ids, keys = before
+        assert self._read_claims(ids) == keys
 
     # -- rules ------------------------------------------------------------------------
 
@@ -294,14 +312,15 @@ class JobStoreModel(RuleBasedStateMachine):
         for job in jobs:
             self._enqueue(*job)
 
-    @rule(data=st.data(), jobs=st.lists(JOBS, min_size=1, max_size=3), again=st.booleans())
-    def enqueue(self, data: st.DataObject, jobs: list[tuple[int, str, Any]], again: bool) -> None:
-        for job in jobs:
+    @rule(data=st.data(), job=JOBS, n=st.integers(1, 3), again=st.booleans())
+    def enqueue(self, data: st.DataObject, job: tuple[int, str, Any], n: int, again: bool) -> None:
+        # A burst of one kind of job: claimed together, its jobs lapse and go back together.
+        for _ in range(n):
             self._enqueue(*job)
         if again:
             # A publish that reuses the id of a job still held changes nothing.
-            job = data.draw(st.sampled_from(self._in("pending", "active", "dead")))
-            outcome = self.store.enqueue(QUEUE, job.id, b"other", now_ms=self.now, group="gb")
+            held = data.draw(st.sampled_from(self._in("pending", "active", "dead")))
+            outcome = self.store.enqueue(QUEUE, held.id, b"other", now_ms=self.now, group="gb")
             assert outcome == Outcome.DUPLICATE
 
     def _run(self, claimed: list[Claimed]) -> None:
@@ -311,7 +330,7 @@ class JobStoreModel(RuleBasedStateMachine):
             self.jobs[c.id].started = c.deliveries
 
     @precondition(lambda self: self._in("pending"))
-    @rule(owner=st.sampled_from(OWNERS), count=st.integers(1, 3), run=st.booleans())
+    @rule(owner=st.sampled_from(OWNERS), count=COUNTS, run=st.booleans())
     def claim(self, owner: str, count: int, run: bool) -> None:
         expected = self._claim_model(owner, count, held=0)
         claimed = self.store.claim(QUEUE, owner, count, now_ms=self.now)
@@ -320,7 +339,7 @@ class JobStoreModel(RuleBasedStateMachine):
             self._run(claimed)
 
     @precondition(lambda self: self._in("pending"))
-    @rule(owner=st.sampled_from(OWNERS), count=st.integers(1, 3), run=st.booleans())
+    @rule(owner=st.sampled_from(OWNERS), count=COUNTS, run=st.booleans())
     def claim_woken(self, owner: str, count: int, run: bool) -> None:
         marker = self.client.rpop(self.k.wake)
         assert (marker is None) == (self.wake == 0)
@@ -337,11 +356,17 @@ class JobStoreModel(RuleBasedStateMachine):
     @precondition(lambda self: self.wake and self.lost < 2)
     @rule()
     def lose_marker(self) -> None:
-        marker = self.client.rpop(self.k.wake)
-        assert (marker is None) == (self.wake == 0)
-        if marker is not None:
-            self._take_marker()
-            self.lost += 1
+        """A consumer pops a marker (BRPOP) and is killed before it claims."""
+        assert self.client.rpop(self.k.wake) is not None
+        self._take_marker()
+        self.lost += 1
+
+    @precondition(lambda self: any(self.holding.values()))
+    @rule(owner=st.sampled_from(OWNERS))
+    def freeze(self, owner: str) -> None:
+        """The worker stops (a long pause, SIGSTOP): its claims lapse unless it resumes first."""
+        self.frozen[owner] += self.holding[owner]
+        self.holding[owner] = []
 
     @precondition(lambda self: self.claims)
     @rule(data=st.data(), kind=st.sampled_from(["live", "live", "fenced", "any"]))
@@ -359,10 +384,12 @@ class JobStoreModel(RuleBasedStateMachine):
         assert self.store.start(QUEUE, c.id, c.token) == expected
         self._untouched(before)
 
-    @precondition(lambda self: any(self.holding.values()))
+    @precondition(lambda self: any(self.holding.values()) or any(self.frozen.values()))
     @rule(owner=st.sampled_from(OWNERS))
     def extend(self, owner: str) -> None:
-        held = list(self.holding[owner])
+        """The worker's lease keeper renews every claim it holds (a frozen worker resumes)."""
+        held = self.holding[owner] + self.frozen[owner]
+        self.frozen[owner] = []
         lost = []
         for job_id, token in held:
             job = self.jobs[job_id]
@@ -388,6 +415,7 @@ class JobStoreModel(RuleBasedStateMachine):
     def ack_many(self, data: st.DataObject) -> None:
         # Mostly claims of jobs still held, so that the batch does more than miss.
         held = [c for c in self.claims if self.jobs[c.id].state != "gone"]
+        held = [c for c in held if not self._frozen(c)]
         claims = data.draw(st.lists(st.sampled_from(held or self.claims), min_size=1, max_size=3))
         before = self._others(claims)
         expected = [self._ack_model(c.id, c.token) for c in claims]
@@ -453,7 +481,7 @@ class JobStoreModel(RuleBasedStateMachine):
         self._forget(c)
 
     @precondition(lambda self: self._lapsed(1))
-    @rule(limit=st.sampled_from([1, 2, 500]))
+    @rule(limit=LIMITS)
     def sweep(self, limit: int) -> None:
         batch = self._lapsed(limit)
         expected, front = [], []
@@ -469,7 +497,7 @@ class JobStoreModel(RuleBasedStateMachine):
         assert self.store.sweep(QUEUE, DEFAULT_BUDGET, limit=limit, now_ms=self.now) == expected
 
     @precondition(lambda self: self._lapsed(1))
-    @rule(limit=st.sampled_from([1, 2, 500]))
+    @rule(limit=LIMITS)
     def reap(self, limit: int) -> None:
         batch = self._lapsed(limit)
         self._to_front(list(batch))
@@ -481,7 +509,7 @@ class JobStoreModel(RuleBasedStateMachine):
         dead = sorted(j.id for j in self._in("dead"))
         ids = data.draw(st.lists(st.sampled_from(dead), min_size=1, max_size=3, unique=True))
         if other:
-            # An id that is not dead (pending, active or gone) is passed over.
+            # Another id, dead or not: one that is not dead (any more) is passed over.
             ids.append(data.draw(st.sampled_from(sorted(self.jobs))))
         batch: list[Job | None] = []
         for i in ids:
@@ -533,7 +561,8 @@ class JobStoreModel(RuleBasedStateMachine):
     @invariant()
     def keys_agree_with_the_model(self) -> None:
         k = self.k
-        ids = sorted(self.jobs)
+        ids = sorted(i for i, j in self.jobs.items() if j.state != "gone")
+        gone = [k.job(i) for i, j in self.jobs.items() if j.state == "gone"]
         places = {"active": k.active, "dead": k.dead, "": k.pending}
         places.update({g: k.lane(g) for g in GROUPS})
         with self.client.pipeline(transaction=False) as pipe:
@@ -544,6 +573,9 @@ class JobStoreModel(RuleBasedStateMachine):
             pipe.zrange(k.lanes, 0, -1).llen(k.wake).get(k.cursor)
             for name in METRICS:
                 pipe.hget(k.metrics(name), "count")
+            # No gone job has a row left (one EXISTS for them all).
+            if gone:
+                pipe.exists(*gone)
             replies = pipe.execute()
         rows = {
             i: {f.decode(): v.decode() for f, v in r.items()}
@@ -551,6 +583,8 @@ class JobStoreModel(RuleBasedStateMachine):
         }
         zsets = dict(zip(places, replies[len(ids) : len(ids) + len(places)], strict=True))
         lanes, llen, cursor, *counts = replies[len(ids) + len(places) :]
+        if gone:
+            assert counts.pop() == 0
 
         seen: dict[str, list[str]] = {}
         for place, members in zsets.items():
@@ -558,15 +592,16 @@ class JobStoreModel(RuleBasedStateMachine):
                 seen.setdefault(member.decode(), []).append(place)
         assert set(seen) <= set(self.jobs)
         for i, job in self.jobs.items():
-            row = rows[i]
             if job.state == "gone":
-                assert row == {} and i not in seen
+                assert i not in seen
                 continue
+            row = rows[i]
             where = job.group if job.state == "pending" else job.state
             assert seen.get(i) == [where]
             assert row["state"] == job.state
             assert int(row["deliveries"]) == job.deliveries
             assert int(row["stalled"]) == job.stalled
+            assert len(json.loads(row.get("history", "[]"))) == min(job.stalls, HISTORY)
             assert row.get("started", "") == (str(job.started) if job.started else "")
             assert row.get("group", "") == job.group
             assert row.get("owner", "") == (job.owner if job.state == "active" else "")
@@ -590,6 +625,7 @@ class JobStoreModel(RuleBasedStateMachine):
         assert llen <= claimable
         assert claimable - llen <= self.lost
         if claimable == 0:
+            # The queue is empty: the markers lost so far no longer count.
             self.lost = 0
 
         assert dict(zip(METRICS, (int(n or 0) for n in counts), strict=True)) == self.metrics
