@@ -59,6 +59,7 @@ class Outcome(enum.IntEnum):
     DUPLICATE = 3
     DEAD = 4
     FENCED = 5
+    STARTED = 6
 
 
 class Unset(enum.Enum):
@@ -204,13 +205,15 @@ class Scripts:
             outcomes.extend(_outcome(code, "ack") for code in reply)
         return outcomes
 
-    def release(self, k: QueueKeys, job_id: str, token: int) -> Outcome:
+    def release(
+        self, k: QueueKeys, job_id: str, token: int, unless_started: bool = False
+    ) -> Outcome:
         """Return a claimed job to the front of ``pending`` without counting a stall."""
         return _outcome(
             self._run(
                 "release",
                 [k.active, k.pending, k.wake, k.head, k.job(job_id), k.lanes, k.base],
-                [job_id, token],
+                [job_id, token, 1 if unless_started else 0],
             ),
             "release",
         )

@@ -103,9 +103,13 @@ class JobStore:
             return []
         return self.scripts.ack(self.keys(queue), claims)
 
-    def release(self, queue: str, job_id: str, token: int) -> Outcome:
-        """Put a claimed job back at the front of its queue, uncounted."""
-        return self.scripts.release(self.keys(queue), job_id, token)
+    def release(self, queue: str, job_id: str, token: int, unless_started: bool = False) -> Outcome:
+        """Put a claimed job back at the front of its queue, uncounted.
+
+        With ``unless_started``, a claim whose task has started (as recorded by
+        :meth:`start`) is left as it is: ``STARTED``.
+        """
+        return self.scripts.release(self.keys(queue), job_id, token, unless_started)
 
     def extend(
         self, queue: str, claims: Sequence[tuple[str, int]], now_ms: int | None = None

@@ -104,7 +104,9 @@ class QoS(kombu_redis.QoS):
         started = started_delivery_tags()
         for tag in list(self._delivered):
             if tag not in started:
-                self.channel._release(tag)
+                # A prefork child may have started it before the worker heard
+                # of it: the recorded start decides, and such a claim stays held.
+                self.channel._release(tag, unless_started=True)
         self._delivered.clear()
 
     def restore_by_tag(self, tag: str, client: Any = None, leftmost: bool = False) -> None:
@@ -453,11 +455,19 @@ class Channel(kombu_redis.Channel):
                         _ACK_OUTCOMES.get(outcome, outcome.name),
                     )
 
-    def _release(self, tag: str) -> None:
+    def _release(self, tag: str, unless_started: bool = False) -> None:
         claim = keeper().forget(tag)
         if claim is None:
             return
-        claim.store.release(claim.queue, claim.job_id, claim.token)
+        outcome = claim.store.release(claim.queue, claim.job_id, claim.token, unless_started)
+        if outcome is Outcome.STARTED:
+            # Still running: keep renewing it until its task settles it.
+            keeper().hold(
+                claim.store,
+                claim.queue,
+                [(claim.job_id, claim.token)],
+                self.emq.renew_interval_ms,
+            )
 
     def _bury(self, tag: str, reason: str, error: str) -> None:
         claim = keeper().forget(tag)

@@ -11,20 +11,25 @@
   KEYS[7] base      <p>:{q}: (lane keys derive from it)
   ARGV[1] id
   ARGV[2] token     the claim's delivery count
-  Returns 0 OK, 1 NOT_FOUND (not active), 5 FENCED (active under a newer claim; untouched).
+  ARGV[3] unless_started  1: leave the claim as it is if its task has started
+  Returns 0 OK, 1 NOT_FOUND (not active), 5 FENCED (active under a newer claim; untouched),
+  6 STARTED (unless_started, and the claim's task has started; untouched).
 ]]
 local active, pending, wake, head, job = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local lanes, base = KEYS[6], KEYS[7]
-local id, token = ARGV[1], ARGV[2]
+local id, token, unless_started = ARGV[1], ARGV[2], ARGV[3] == '1'
 
 local BAND = 1099511627776
 
 if not redis.call('ZSCORE', active, id) then
   return 1
 end
-local row = redis.call('HMGET', job, 'deliveries', 'priority', 'group')
+local row = redis.call('HMGET', job, 'deliveries', 'priority', 'group', 'started')
 if row[1] ~= token then
   return 5
+end
+if unless_started and row[4] == token then
+  return 6
 end
 local n = redis.call('INCR', head)
 redis.call('ZREM', active, id)

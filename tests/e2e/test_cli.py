@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -14,20 +12,13 @@ import redis
 
 from celery_emq import StalledJobError
 
-from .harness import ROOT, Worker, wait_for
+from .harness import Worker, run_celery, wait_for
 
 pytestmark = pytest.mark.slow
 
 
 def emq(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "tests.e2e.app", "emq", *args],
-        cwd=ROOT,
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return run_celery(env, "emq", *args)
 
 
 def test_dead_ls_lists_and_retry_runs_it(

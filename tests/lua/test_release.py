@@ -47,3 +47,21 @@ def test_release_of_unclaimed_job_is_not_found(store: JobStore, client: redis.Re
     store.enqueue("q", "a", b"{}", now_ms=1)
     assert store.release("q", "a", 0) is Outcome.NOT_FOUND
     assert client.llen(store.keys("q").wake) == 1
+
+
+def test_release_unless_started_leaves_a_started_claim(
+    store: JobStore, client: redis.Redis
+) -> None:
+    store.enqueue("q", "a", b"{}", now_ms=1)
+    store.enqueue("q", "b", b"{}", now_ms=1)
+    a, b = store.claim("q", "w", count=2, now_ms=2)
+    assert store.start("q", "a", a.deliveries) is Outcome.OK
+    k = store.keys("q")
+    before = (client.zrange(k.active, 0, -1, withscores=True), store.job("q", "a"))
+    assert store.release("q", "a", a.deliveries, unless_started=True) is Outcome.STARTED
+    assert (client.zrange(k.active, 0, -1, withscores=True), store.job("q", "a")) == before
+    # An unstarted claim goes back as usual; a plain release ignores the start.
+    assert store.release("q", "b", b.deliveries, unless_started=True) is Outcome.OK
+    assert store.release("q", "a", a.deliveries) is Outcome.OK
+    assert client.zrange(k.pending, 0, -1) == [b"a", b"b"]
+    assert client.llen(k.wake) == 2

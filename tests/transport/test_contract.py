@@ -208,6 +208,28 @@ def test_closing_a_channel_releases_unacked_at_once(connect: ConnFactory, store:
     assert keeper().held_count() == 0
 
 
+def test_closing_keeps_a_claim_whose_task_started_elsewhere(
+    connect: ConnFactory, store: JobStore
+) -> None:
+    # A prefork child records its start before the worker hears of it: the
+    # worker's own list of started tasks is empty, the recorded start decides.
+    conn, q = connect(), queue()
+    publish(conn, q, ["started", "waiting"])
+    got = drain(conn, q, 2, ack=False)
+    tags = {body: message.delivery_tag for body, message in got}
+    started_id, token = parse_tag(tags["started"])
+    store.start("q", started_id, token)
+    got[0][1].channel.close()
+    assert store.counts("q") == {"pending": 1, "active": 1, "dead": 0}
+    assert store.job("q", started_id)["state"] == "active"
+    claim = keeper().get(tags["started"])
+    assert claim is not None and (claim.job_id, claim.token) == (started_id, token)
+    # Its task finishes later and its ack still lands.
+    assert store.ack("q", started_id, token).name == "OK"
+    keeper().forget(tags["started"])
+    assert store.counts("q") == {"pending": 1, "active": 0, "dead": 0}
+
+
 def test_basic_get(connect: ConnFactory, store: JobStore) -> None:
     conn, q = connect(), queue()
     publish(conn, q, ["a", "b"])
