@@ -54,6 +54,7 @@ JOB_FIELDS: tuple[str, ...] = (
     "stalled",  # stall count (HINCRBY), travels with the job
     "deliveries",  # how many times the job was claimed: the latest claim's fencing token
     "started",  # the token of the latest claim whose task started
+    "completed",  # set when an older claim completed the job while a newer one holds it
     "owner",  # worker identity holding the lease while active
     "enqueued_ms",  # first publish time
     "claimed_ms",  # time of the latest claim

@@ -60,6 +60,7 @@ class Outcome(enum.IntEnum):
     DEAD = 4
     FENCED = 5
     STARTED = 6
+    COMPLETED = 7
 
 
 class Unset(enum.Enum):
@@ -88,7 +89,9 @@ class Swept:
     """One job a sweep examined: what it did and the job's stall count."""
 
     id: str
-    outcome: str  # "recovered" | "dead" | "requeued" (lapsed before it started: uncounted)
+    #: "recovered" | "dead" | "requeued" (lapsed before it started: uncounted) |
+    #: "completed" (an older claim completed it: deleted)
+    outcome: str
     stalled: int
     payload: bytes
 

@@ -42,6 +42,8 @@ class SweepReport:
     reaped: list[str] = field(default_factory=list)
     #: Lapsed before their task started: back in line, no stall counted.
     requeued: list[str] = field(default_factory=list)
+    #: Lapsed after an older claim of theirs had completed: deleted as done.
+    completed: list[str] = field(default_factory=list)
     trimmed: int = 0
 
     def as_dict(self) -> dict[str, Any]:
@@ -174,6 +176,9 @@ class Sweeper:
         for job in swept:
             if job.outcome == "requeued":
                 report.requeued.append(job.id)
+                continue
+            if job.outcome == "completed":
+                report.completed.append(job.id)
                 continue
             info = describe(job.payload, queue, job.id, job.stalled, reason, accept=self.accept)
             _send(job_stalled, info)

@@ -521,7 +521,7 @@ class Channel(kombu_redis.Channel):
 _ACK_OUTCOMES = {
     Outcome.LEASE_LOST: "the lease had lapsed; the job completed, so it was deleted from pending",
     Outcome.DEAD: "the lease had lapsed; the job completed, so it left the morgue",
-    Outcome.FENCED: "a newer claim holds the job; left to it",
+    Outcome.FENCED: "a newer claim holds the job; left to it, marked completed",
     Outcome.NOT_FOUND: "already gone",
 }
 

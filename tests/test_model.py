@@ -89,6 +89,7 @@ class Job:
     owner: str = ""
     deadline: int = 0
     died_ms: int = 0
+    completed: bool = False  # an older claim completed it while a newer one held it
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,8 @@ class JobStoreModel(RuleBasedStateMachine):
         if job.state == "gone":
             return Outcome.NOT_FOUND
         if job.state == "active" and job.deliveries != token:
+            # The only mark a stale ack leaves on a live claim: the job is done.
+            job.completed = True
             return Outcome.FENCED
         outcome = {
             "active": Outcome.OK,
@@ -211,6 +214,11 @@ class JobStoreModel(RuleBasedStateMachine):
         job.state = "gone"
         self.metrics["completed"] += 1
         return outcome
+
+    def _done(self, job: Job) -> None:
+        """A completed job leaves its (lost) live claim: deleted, counted completed."""
+        job.state = "gone"
+        self.metrics["completed"] += 1
 
     def _stall(self, job: Job) -> Swept:
         """Count one stall on an examined claim: recover or dead-letter it."""
@@ -273,7 +281,11 @@ class JobStoreModel(RuleBasedStateMachine):
                 pipe.zmscore(key, ids)
             for i in ids:
                 pipe.hgetall(k.job(i))
-            return pipe.execute()
+            replies = pipe.execute()
+        # A fenced ack may mark a live claim's job completed, and nothing else.
+        for row in replies[-len(ids) :]:
+            row.pop(b"completed", None)
+        return replies
 
     def _untouched(self, before: tuple[list[str], Any]) -> None:
         ids, keys = before
@@ -434,6 +446,9 @@ class JobStoreModel(RuleBasedStateMachine):
             expected = Outcome.NOT_FOUND
         elif job.deliveries != c.token:
             expected = Outcome.FENCED
+        elif job.completed:
+            expected = Outcome.COMPLETED
+            self._done(job)
         else:
             expected = Outcome.OK
             self._to_front([job])
@@ -451,6 +466,9 @@ class JobStoreModel(RuleBasedStateMachine):
             expected = Outcome.NOT_FOUND
         elif job.state == "active" and job.deliveries != c.token:
             expected = Outcome.FENCED
+        elif job.completed:
+            expected = Outcome.COMPLETED
+            self._done(job)
         else:
             # From the live claim, or from pending after that claim lapsed.
             expected = Outcome.OK
@@ -469,7 +487,11 @@ class JobStoreModel(RuleBasedStateMachine):
         c = self._draw_claim(data, kind)
         before = self._others([c])
         expected = None
-        if self._live(c):
+        if self._live(c) and self.jobs[c.id].completed:
+            job = self.jobs[c.id]
+            expected = Swept(job.id, "completed", job.stalled, job.payload)
+            self._done(job)
+        elif self._live(c):
             job = self.jobs[c.id]
             expected = self._stall(job)
             self._to_front([job if expected.outcome == "recovered" else None])
@@ -486,7 +508,11 @@ class JobStoreModel(RuleBasedStateMachine):
         batch = self._lapsed(limit)
         expected, front = [], []
         for job in batch:
-            if job.started != job.deliveries:
+            if job.completed:
+                expected.append(Swept(job.id, "completed", job.stalled, job.payload))
+                front.append(None)
+                self._done(job)
+            elif job.started != job.deliveries:
                 expected.append(Swept(job.id, "requeued", job.stalled, job.payload))
                 front.append(job)
             else:
@@ -500,8 +526,12 @@ class JobStoreModel(RuleBasedStateMachine):
     @rule(limit=LIMITS)
     def reap(self, limit: int) -> None:
         batch = self._lapsed(limit)
-        self._to_front(list(batch))
-        assert self.store.reap(QUEUE, limit=limit, now_ms=self.now) == [j.id for j in batch]
+        reaped = [j for j in batch if not j.completed]
+        for job in batch:
+            if job.completed:
+                self._done(job)
+        self._to_front([None if j.completed else j for j in batch])
+        assert self.store.reap(QUEUE, limit=limit, now_ms=self.now) == [j.id for j in reaped]
 
     @precondition(lambda self: self._in("dead"))
     @rule(data=st.data(), other=st.booleans())
@@ -604,6 +634,7 @@ class JobStoreModel(RuleBasedStateMachine):
             assert len(json.loads(row.get("history", "[]"))) == min(job.stalls, HISTORY)
             assert row.get("started", "") == (str(job.started) if job.started else "")
             assert row.get("group", "") == job.group
+            assert row.get("completed", "") == ("1" if job.completed else "")
             assert row.get("owner", "") == (job.owner if job.state == "active" else "")
 
         for place, members in zsets.items():

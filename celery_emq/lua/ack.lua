@@ -13,7 +13,9 @@
               completed, so it is deleted and will not run again
   4 DEAD      the claim had lapsed and the job was dead-lettered; it has completed,
               so it leaves the morgue
-  5 FENCED    another claim holds the job now; it is left to that claim
+  5 FENCED    another claim holds the job now; it is left to that claim, and only
+              marked `completed`: if that claim is then lost (released, lapsed,
+              dead-lettered), the job is deleted as completed instead of run again
 ]]
 local active, pending, wake, dead, completed = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local base = KEYS[6]
@@ -27,6 +29,7 @@ for i = 1, #ARGV, 2 do
   if not row[1] then
     code = 1
   elseif row[1] == 'active' and row[2] ~= token then
+    redis.call('HSET', job, 'completed', 1)
     code = 5
   else
     if row[1] == 'active' then

@@ -15,7 +15,8 @@
   ARGV[5] now_ms    '' takes the Redis server's clock
   Returns 0 OK (from the live claim it names, or from pending after that claim
   lapsed: the verdict is on the message), 1 NOT_FOUND (no row, or already dead),
-  5 FENCED (another claim holds the job now; untouched).
+  5 FENCED (another claim holds the job now; untouched), 7 COMPLETED (an older
+  claim completed the job: deleted and counted completed, never dead-lettered).
 ]]
 local active, pending, wake, dead, job = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local failed, base = KEYS[6], KEYS[7]
@@ -26,7 +27,7 @@ if not now_ms then
   now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
-local row = redis.call('HMGET', job, 'state', 'deliveries', 'group')
+local row = redis.call('HMGET', job, 'state', 'deliveries', 'group', 'completed')
 if not row[1] or row[1] == 'dead' then
   return 1
 end
@@ -35,6 +36,11 @@ if row[1] == 'active' then
     return 5
   end
   redis.call('ZREM', active, id)
+  if row[4] then
+    redis.call('DEL', job)
+    redis.call('HINCRBY', base .. 'metrics:completed', 'count', 1)
+    return 7
+  end
 else
   local lane = pending
   if row[3] then

@@ -8,7 +8,8 @@
   KEYS[6] base      <p>:{q}: (job rows and lane keys derive from it)
   ARGV[1] now_ms    '' takes the Redis server's clock
   ARGV[2] limit     most jobs reaped by this call (1..1000)
-  Returns the array of reaped ids. A batch keeps its order (earliest lapse first)
+  Returns the array of reaped ids. A job an older claim completed (its ack was
+  fenced) is deleted and counted completed instead, and not returned. A batch keeps its order (earliest lapse first)
   at the front of the queue.
 ]]
 local active, pending, wake, head, lanes, base = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
@@ -32,8 +33,12 @@ local out = {}
 for i, id in ipairs(ids) do
   local job = base .. 'job:' .. id
   redis.call('ZREM', active, id)
-  local row = redis.call('HMGET', job, 'priority', 'group')
-  if row[1] then
+  local row = redis.call('HMGET', job, 'priority', 'group', 'completed')
+  if row[3] then
+    -- An older claim completed the job (its ack was fenced): done, not run again.
+    redis.call('DEL', job)
+    redis.call('HINCRBY', base .. 'metrics:completed', 'count', 1)
+  elseif row[1] then
     local lane = pending
     if row[2] and row[2] ~= '' then
       lane = base .. 'g:' .. row[2] .. ':pending'

@@ -13,7 +13,8 @@
   ARGV[2] token     the claim's delivery count
   ARGV[3] unless_started  1: leave the claim as it is if its task has started
   Returns 0 OK, 1 NOT_FOUND (not active), 5 FENCED (active under a newer claim; untouched),
-  6 STARTED (unless_started, and the claim's task has started; untouched).
+  6 STARTED (unless_started, and the claim's task has started; untouched),
+  7 COMPLETED (an older claim completed the job: deleted and counted completed).
 ]]
 local active, pending, wake, head, job = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local lanes, base = KEYS[6], KEYS[7]
@@ -24,12 +25,18 @@ local BAND = 1099511627776
 if not redis.call('ZSCORE', active, id) then
   return 1
 end
-local row = redis.call('HMGET', job, 'deliveries', 'priority', 'group', 'started')
+local row = redis.call('HMGET', job, 'deliveries', 'priority', 'group', 'started', 'completed')
 if row[1] ~= token then
   return 5
 end
 if unless_started and row[4] == token then
   return 6
+end
+if row[5] then
+  redis.call('ZREM', active, id)
+  redis.call('DEL', job)
+  redis.call('HINCRBY', base .. 'metrics:completed', 'count', 1)
+  return 7
 end
 local n = redis.call('INCR', head)
 redis.call('ZREM', active, id)

@@ -12,7 +12,9 @@
   ARGV[4] reason      why these jobs stalled: lease_expired | worker_lost
   ARGV[5..] id, token pairs: charge these live claims (a worker lost the process
             running them) instead of examining the lapsed ones
-  Returns a flat array: id, outcome (recovered | dead | requeued), stalled, payload, ...
+  Returns a flat array: id, outcome (recovered | dead | requeued | completed), stalled,
+  payload, ... A job an older claim completed (its ack was fenced, `completed` is
+  set) is deleted and counted completed instead (outcome completed).
   A lapsed claim whose task never started (`started` is not its token) is
   requeued uncounted (outcome requeued). A charged claim has started.
   Budget: stalled <= max_stalled recovers (to the front of its queue or lane),
@@ -55,7 +57,7 @@ local out = {}
 for i, id in ipairs(ids) do
   local job = base .. 'job:' .. id
   local row = redis.call('HMGET', job, 'state', 'owner', 'priority', 'max_stalled', 'payload',
-    'history', 'group', 'deliveries', 'started')
+    'history', 'group', 'deliveries', 'started', 'completed')
   local examine = redis.call('ZSCORE', active, id) and (not charge or row[8] == tokens[i])
   if examine and not row[1] then
     -- A lease without a row (a foreign writer deleted it): drop the lease.
@@ -67,7 +69,13 @@ for i, id in ipairs(ids) do
       lane = base .. 'g:' .. row[7] .. ':pending'
     end
     local outcome, stalled
-    if not charge and row[9] ~= row[8] then
+    if row[10] then
+      -- An older claim completed the job (its ack was fenced): done, not run again.
+      stalled = tonumber(redis.call('HGET', job, 'stalled') or '0')
+      redis.call('DEL', job)
+      redis.call('HINCRBY', base .. 'metrics:completed', 'count', 1)
+      outcome = 'completed'
+    elseif not charge and row[9] ~= row[8] then
       -- Never started under this claim: not the job's fault, so not a stall.
       stalled = tonumber(redis.call('HGET', job, 'stalled') or '0')
       if lane ~= pending then

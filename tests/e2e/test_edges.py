@@ -91,9 +91,8 @@ def test_a_stopped_worker_is_fenced_after_its_job_ran_again_elsewhere(
         "failed": 0,
         "retried": 0,
     }
-    fenced = (
-        f"celery_emq: ack of {job_id} in celery (claim 1): a newer claim holds the job; left to it"
-    )
+    left = "a newer claim holds the job; left to it, marked completed"
+    fenced = f"celery_emq: ack of {job_id} in celery (claim 1): {left}"
     wait_for(lambda: fenced in stopped.text(), 5)
     # The survivor's claim was never disturbed: it renewed and acked it.
     assert "ack of" not in survivor.text() and "were lost" not in survivor.text()

@@ -78,6 +78,9 @@ def test_a_stale_settle_leaves_the_newer_claim_untouched(
     before = snapshot(client, prefix)
     call, expected = STALE[op]
     assert call(store) == expected
+    if op.startswith("ack"):
+        # The one mark a stale ack leaves: the job has completed once.
+        before[store.keys("q").job("a").encode()][b"completed"] = b"1"
     assert snapshot(client, prefix) == before
     k = store.keys("q")
     row = store.job("q", "a")
@@ -169,3 +172,42 @@ def test_a_process_that_claims_a_job_again_after_losing_it_keeps_renewing_it(
     keeper.hold(store, "q", [("a", 2)], interval_ms=60_000)
     assert keeper.renew_once(now_ms=RECLAIMED_MS + 4000) == []
     assert client.zscore(k.active, "a") == RECLAIMED_MS + 4000 + store.lease_ms
+
+
+LOSSES: dict[str, tuple[Callable[[JobStore], Any], Any]] = {
+    "ack": (lambda s: s.ack("q", "a", 2), Outcome.OK),
+    "release": (lambda s: s.release("q", "a", 2), Outcome.COMPLETED),
+    "bury": (
+        lambda s: s.bury("q", "a", 2, "rejected", "", now_ms=RECLAIMED_MS + 1),
+        Outcome.COMPLETED,
+    ),
+    "charge": (
+        lambda s: [x.outcome for x in [s.charge("q", "a", 2, 0, "worker_lost")] if x],
+        ["completed"],
+    ),
+    "sweep": (
+        lambda s: [(x.id, x.outcome) for x in s.sweep("q", 0, now_ms=RECLAIMED_MS + LEASE_MS + 1)],
+        [("a", "completed")],
+    ),
+    "reap": (lambda s: s.reap("q", now_ms=RECLAIMED_MS + LEASE_MS + 1), []),
+}
+
+
+@pytest.mark.parametrize("op", sorted(LOSSES))
+def test_a_job_an_older_claim_completed_is_never_run_again_nor_dead_lettered(
+    op: str, client: redis.Redis, prefix: str
+) -> None:
+    store = JobStore(client, prefix + "emq", LEASE_MS)
+    reclaimed(store)
+    # The first worker finishes after all: its ack is fenced, the job marked done.
+    assert store.ack("q", "a", 1) is Outcome.FENCED
+    call, expected = LOSSES[op]
+    assert call(store) == expected
+    # However the live claim ends (acked, released, dead-lettered, lapsed, charged
+    # with a budget of 0), the job is gone and counted completed once.
+    assert store.job("q", "a") == {}
+    assert store.counts("q") == {"pending": 1, "active": 0, "dead": 0}
+    assert client.zrange(store.keys("q").pending, 0, -1) == [b"b"]
+    assert client.llen(store.keys("q").wake) == 1
+    metrics = store.metrics("q")
+    assert (metrics["completed"], metrics["failed"], metrics["recovered"]) == (1, 0, 0)
