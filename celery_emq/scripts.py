@@ -40,6 +40,7 @@ SCRIPT_NAMES: tuple[str, ...] = (
     "trim",
     "retry",
     "purge_dead",
+    "give_back",
 )
 
 #: Most claims one ``extend`` call carries (the rest go in further calls).
@@ -340,6 +341,10 @@ class Scripts:
             )
             moved.extend(_text(x) for x in reply)
         return moved
+
+    def give_back(self, k: QueueKeys) -> bool:
+        """Return a popped wake marker while the queue has claimable jobs."""
+        return bool(self._run("give_back", [k.wake, k.pending, k.lanes], []))
 
     def purge_dead(self, k: QueueKeys, job_ids: Sequence[str]) -> int:
         """Delete dead jobs by id; return how many were deleted."""

@@ -196,6 +196,10 @@ class JobStore:
         """Delete dead jobs by id; return how many went."""
         return self.scripts.purge_dead(self.keys(queue), job_ids)
 
+    def give_back(self, queue: str) -> bool:
+        """Return a wake marker a consumer popped but did not claim for (if still due)."""
+        return self.scripts.give_back(self.keys(queue))
+
     def register(self, queue: str) -> None:
         """Record a task queue in the registry the sweep and the CLI iterate."""
         self.client.sadd(self.registry_key, queue)

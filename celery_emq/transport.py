@@ -426,7 +426,7 @@ class Channel(kombu_redis.Channel):
 
     def _give_back_marker(self, queue: str) -> None:
         """Return a popped wake marker, so another consumer wakes for that job."""
-        self.store.client.lpush(self.store.keys(queue).wake, 1)
+        self.store.give_back(queue)
 
     # -- settling --------------------------------------------------------
     #

@@ -63,6 +63,7 @@ CALLS: dict[str, tuple[Call, int]] = {
     "trim": (lambda s, k: s.trim(k, 1, 1000, 10, 10), 0),
     "retry": (lambda s, k: s.retry(k, 1, ["a", "b"]), 2),
     "purge_dead": (lambda s, k: s.purge_dead(k, ["a", "b"]), 2),
+    "give_back": (lambda s, k: s.give_back(k), 0),
 }
 
 #: Calls that leave the time to the Redis server (``now_ms=None``).

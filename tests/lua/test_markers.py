@@ -122,3 +122,22 @@ def test_a_retried_batch_comes_back_in_the_order_given(
     assert store.retry("q", ["b", "c", "a"], now_ms=20) == ["b", "c", "a"]
     assert client.zrange(store.keys("q").pending, 0, -1) == [b"b", b"c", b"a", b"next"]
     assert client.llen(store.keys("q").wake) == 4
+
+
+def test_a_marker_given_back_after_another_consumer_claimed_is_dropped(
+    store: JobStore, client: redis.Redis
+) -> None:
+    k = store.keys("q")
+    store.enqueue("q", "a", b"{}", now_ms=1)
+    # Consumer 1 pops the only marker; consumer 2's scan claims the job first.
+    assert client.rpop(k.wake) == b"1"
+    [job] = store.claim("q", "c2", now_ms=2)
+    assert job.id == "a"
+    # Consumer 1 closes (or has no free slot) and gives its marker back: nothing
+    # is claimable any more, so no marker is left over.
+    assert store.give_back("q") is False
+    assert client.llen(k.wake) == 0
+    store.enqueue("q", "b", b"{}", now_ms=3)
+    assert client.rpop(k.wake) == b"1"
+    assert store.give_back("q") is True
+    assert client.llen(k.wake) == 1
