@@ -221,7 +221,15 @@ def test_a_pickle_a_json_worker_refuses_is_dead_lettered_and_never_loaded(
     swept = run_celery(e2e_env, "emq", "sweep", "--json")
     assert swept.returncode == 0, swept.stderr
     assert json.loads(swept.stdout)["queues"] == [
-        {"queue": "celery", "recovered": [], "dead": [], "reaped": [], "requeued": [], "trimmed": 0}
+        {
+            "queue": "celery",
+            "recovered": [],
+            "dead": [],
+            "reaped": [],
+            "requeued": [],
+            "completed": [],
+            "trimmed": 0,
+        }
     ]
     assert unpickled_by() == []
 
