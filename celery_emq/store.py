@@ -18,6 +18,8 @@ __all__ = ["JobStore"]
 
 #: Jobs one ``purge`` script call deletes before the store calls it again.
 PURGE_BATCH = 1000
+#: The counters every queue keeps (``<p>:{q}:metrics:<name>``, field ``count``).
+METRICS: tuple[str, ...] = ("completed", "recovered", "stalled", "failed", "retried")
 
 
 class JobStore:
@@ -217,11 +219,10 @@ class JobStore:
         return unused
 
     def _key_counts(self, queues: Sequence[str]) -> list[int]:
-        names = ("completed", "recovered", "stalled", "failed", "retried")
         with self.client.pipeline(transaction=False) as pipe:
             for q in queues:
                 k = self.keys(q)
-                pipe.exists(k.pending, k.active, k.dead, k.lanes, *(k.metrics(n) for n in names))
+                pipe.exists(k.pending, k.active, k.dead, k.lanes, *(k.metrics(n) for n in METRICS))
             return [int(n) for n in pipe.execute()]
 
     def declare_expiring(self, queue: str, ttl_ms: int) -> None:
@@ -279,12 +280,11 @@ class JobStore:
     def metrics(self, queue: str) -> dict[str, int]:
         """Return the queue's counters: completed, recovered, stalled, failed, retried."""
         k = self.keys(queue)
-        names = ("completed", "recovered", "stalled", "failed", "retried")
         with self.client.pipeline(transaction=False) as pipe:
-            for name in names:
+            for name in METRICS:
                 pipe.hget(k.metrics(name), "count")
             values = pipe.execute()
-        return {name: int(v or 0) for name, v in zip(names, values, strict=True)}
+        return {name: int(v or 0) for name, v in zip(METRICS, values, strict=True)}
 
     def purge(self, queue: str) -> int:
         """Delete every pending job of the queue; return how many."""

@@ -101,10 +101,9 @@ def install_worker_probes() -> None:
     says: an ``acks_late`` task's delivery is requeued as that setting would
     (no failure is recorded), and the transport turns the requeue into a
     counted recovery, or a dead-letter past the budget; with
-    ``task_retry_on_worker_lost`` Celery's own retry decides instead. A
-    message Celery
-    cannot decode (it would ack it away) or will not run (an unknown or invalid
-    task, which it rejects) is dead-lettered with that reason.
+    ``task_retry_on_worker_lost`` Celery's own retry decides instead. A message
+    Celery cannot decode (it would ack it away) or will not run (an unknown or
+    invalid task, which it rejects) is dead-lettered with that reason.
     """
     if "celery.worker.consumer" not in sys.modules:
         return  # not inside a Celery worker
@@ -192,20 +191,29 @@ def _install_start_recorder() -> None:
 _start_recorder_installed = False
 
 
+def _request_claim(task: Any) -> tuple[str, str, int] | None:
+    """Return the claim (queue, job id, token) the running task's message names, if any."""
+    claim = getattr(getattr(task, "request", None), CLAIM_HEADER, None)
+    if not isinstance(claim, list | tuple) or len(claim) != 3:
+        return None
+    queue, job_id, token = claim
+    return str(queue), str(job_id), int(token)
+
+
 def _record_start(sender: Any = None, task: Any = None, **kwargs: Any) -> None:
     from .lease import delivery_tag, keeper
 
-    claim = getattr(getattr(task, "request", None), CLAIM_HEADER, None)
-    if not isinstance(claim, list | tuple) or len(claim) != 3:
+    claim = _request_claim(task)
+    if claim is None:
         return
     queue, job_id, token = claim
     try:
-        held = keeper().get(delivery_tag(job_id, int(token)))
+        held = keeper().get(delivery_tag(job_id, token))
         # The worker's own process holds the claim (solo, threads, gevent); a
         # prefork child records through a store of its own.
         store = held.store if held is not None else _child_store(task.app)
         if store is not None:
-            store.start(queue, job_id, int(token))
+            store.start(queue, job_id, token)
     except Exception:
         logger.warning(
             "celery_emq: could not record the start of job %s in %s; if its worker "
@@ -231,11 +239,11 @@ def _ack_success(sender: Any = None, task: Any = None, state: Any = None, **kwar
 
     if state != "SUCCESS" or not getattr(task, "acks_late", False):
         return
-    claim = getattr(getattr(task, "request", None), CLAIM_HEADER, None)
-    if not isinstance(claim, list | tuple) or len(claim) != 3:
+    claim = _request_claim(task)
+    if claim is None:
         return
     _queue, job_id, token = claim
-    held = keeper().forget(delivery_tag(job_id, int(token)))
+    held = keeper().forget(delivery_tag(job_id, token))
     if held is None:
         return
     try:
