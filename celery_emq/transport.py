@@ -138,6 +138,7 @@ class Channel(kombu_redis.Channel):
         self._store_pool: Any = None
         self._sweeper: Sweeper | None = None
         self._registered_at: dict[str, float] = {}
+        self._noted_expiring_at: dict[str, float] = {}
         self._budgets: dict[str, int | Unset | None] = {}
         self._scanned_at = monotonic()
         super().__init__(connection, *args, **kwargs)
@@ -176,6 +177,17 @@ class Channel(kombu_redis.Channel):
         if now - self._registered_at.get(queue, -REGISTER_EVERY_S) >= REGISTER_EVERY_S:
             self.store.register(queue)
             self._registered_at[queue] = now
+
+    def _note_expiring(self, queue: str, ttl_ms: int) -> None:
+        """Keep an ``x-expires`` queue in the expiry registry, again every half TTL.
+
+        The expiry pass drops a queue only once it went unused for a whole TTL,
+        so a channel that noted it less than half a TTL ago need not again.
+        """
+        now = monotonic()
+        if now - self._noted_expiring_at.get(queue, float("-inf")) >= ttl_ms / 2000:
+            self.store.note_expiring(queue)
+            self._noted_expiring_at[queue] = now
 
     @property
     def owner(self) -> str:
@@ -217,7 +229,7 @@ class Channel(kombu_redis.Channel):
         if outcome is Outcome.DUPLICATE:
             logger.debug("celery_emq: job %s already in %s; publish ignored", job_id, queue)
         if ttl_ms:
-            self.store.note_expiring(queue)
+            self._note_expiring(queue, ttl_ms)
         elif "task" in headers:
             # A Celery task message: its queue holds work to recover and to
             # show. Replies (remote control, rpc:// results) carry no task.

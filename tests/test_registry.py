@@ -103,3 +103,25 @@ def test_a_beat_pass_prunes_the_registry_and_expires_unused_queues(
     store.register("stale-reply")
     Sweeper(store, EmqOptions()).run(["celery"])
     assert store.queues() == ["celery", "stale-reply"]
+
+
+def test_publishing_again_to_an_expired_queue_registers_it_again(
+    conn: Connection, store: JobStore, client: redis.Redis
+) -> None:
+    ttl_ms = 300
+    tmp = Queue("tmp", Exchange("tmp", "direct"), "tmp", expires=ttl_ms / 1000)
+    producer = Producer(conn.channel())
+    producer.publish({"n": 1}, exchange=tmp.exchange, routing_key="tmp", declare=[tmp])
+    assert client.smembers(store.expiring_key) == {b"tmp"}
+    time.sleep(2 * ttl_ms / 1000)
+    # Unused for longer than its TTL: the pass purges it and lets it go.
+    assert store.expire() == {"tmp": 1}
+    assert client.smembers(store.expiring_key) == set()
+    # The same channel publishes again (its declare is cached): the queue is in
+    # use again and back in the registry, so its job expires in its turn.
+    producer.publish({"n": 2}, exchange=tmp.exchange, routing_key="tmp", declare=[tmp])
+    assert client.smembers(store.expiring_key) == {b"tmp"}
+    assert store.counts("tmp")["pending"] == 1
+    time.sleep(2 * ttl_ms / 1000)
+    assert store.expire() == {"tmp": 1}
+    assert store.counts("tmp") == {"pending": 0, "active": 0, "dead": 0}
