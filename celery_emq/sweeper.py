@@ -15,6 +15,7 @@ import socket
 import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Any
 
 from .errors import StalledJobError
@@ -163,7 +164,7 @@ class Sweeper:
             now_ms=now_ms,
         )
 
-    @property
+    @cached_property
     def accept(self) -> frozenset[str]:
         """Content types decoded to describe a job: the app's ``accept_content``."""
         return accepted_content(self.app or _current_app())
