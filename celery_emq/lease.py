@@ -139,6 +139,11 @@ class LeaseKeeper:
         with self._lock:
             return self._held.get(tag)
 
+    @property
+    def interval_ms(self) -> int:
+        """How often held leases are renewed (the shortest interval asked for)."""
+        return self._interval_ms or 1000
+
     def holds(self, store: JobStore) -> bool:
         """Return whether any held claim belongs to ``store``."""
         with self._lock:
@@ -183,7 +188,7 @@ class LeaseKeeper:
     def _run(self) -> None:
         failed = False
         while True:
-            interval_ms = self._interval_ms or 1000
+            interval_ms = self.interval_ms
             # After a failure retry within a second: a lease outlives about
             # two renewal intervals, so one missed pass must not wait a whole one.
             self._wake.wait(min(interval_ms, 1000) / 1000 if failed else interval_ms / 1000)

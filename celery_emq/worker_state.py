@@ -181,10 +181,10 @@ def _install_start_recorder() -> None:
     global _start_recorder_installed
     if _start_recorder_installed:
         return
-    from celery.signals import task_postrun, task_prerun
+    from celery.signals import task_prerun, task_success
 
     task_prerun.connect(_record_start, weak=False, dispatch_uid="celery_emq.record_start")
-    task_postrun.connect(_ack_success, weak=False, dispatch_uid="celery_emq.ack_success")
+    task_success.connect(_ack_success, weak=False, dispatch_uid="celery_emq.ack_success")
     _start_recorder_installed = True
 
 
@@ -224,20 +224,22 @@ def _record_start(sender: Any = None, task: Any = None, **kwargs: Any) -> None:
         )
 
 
-def _ack_success(sender: Any = None, task: Any = None, state: Any = None, **kwargs: Any) -> None:
+def _ack_success(sender: Any = None, **kwargs: Any) -> None:
     """Ack at once a succeeded ``acks_late`` task whose claim this very process holds.
 
     Under solo, threads or gevent a task runs in the process that holds its
     claim, and Celery defers its ack to the next turn of the event loop: a
     whole claimed batch can run before any of its acks is sent. A task later
     in the batch that kills the worker would then leave the earlier, finished
-    tasks to be charged a stall and run again. Acking here, after the result
-    is stored, leaves Celery's own ack nothing to do. (A prefork child does
-    not hold the claim; its worker acks as soon as the result comes back.)
+    tasks to be charged a stall and run again. Acking here, from Celery's
+    ``task_success`` (sent only once the result is stored), leaves Celery's
+    own ack nothing to do. (A prefork child does not hold the claim; its
+    worker acks as soon as the result comes back.)
     """
     from .lease import delivery_tag, keeper
 
-    if state != "SUCCESS" or not getattr(task, "acks_late", False):
+    task = sender
+    if not getattr(task, "acks_late", False):
         return
     claim = _request_claim(task)
     if claim is None:
@@ -250,7 +252,7 @@ def _ack_success(sender: Any = None, task: Any = None, state: Any = None, **kwar
         held.store.ack(held.queue, held.job_id, held.token)
     except Exception:
         # Held again so that Celery's own ack settles it.
-        keeper().hold(held.store, held.queue, [(held.job_id, held.token)], held.store.lease_ms // 3)
+        keeper().hold(held.store, held.queue, [(held.job_id, held.token)], keeper().interval_ms)
         logger.warning("celery_emq: early ack of job %s failed", job_id, exc_info=True)
 
 

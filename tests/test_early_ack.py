@@ -1,0 +1,49 @@
+"""A succeeded acks_late task is acked by its own process once its result is stored."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.signals import task_postrun, task_success
+
+from celery_emq import worker_state
+from celery_emq.lease import keeper
+from celery_emq.store import JobStore
+
+
+@pytest.fixture
+def held(store: JobStore) -> Iterator[tuple[Any, str]]:
+    """A task whose request names a claim this process holds, as under a solo worker."""
+    worker_state._install_start_recorder()
+    app = Celery("early", set_as_current=False)
+
+    @app.task(acks_late=True)
+    def job() -> None: ...
+
+    store.enqueue("q", "a", b"{}")
+    [claim] = store.claim("q", "w")
+    [tag] = keeper().hold(store, "q", [(claim.id, claim.deliveries)], 10_000)
+    job.push_request(emq_claim=["q", "a", claim.deliveries])
+    yield job, tag
+    job.pop_request()
+    keeper().forget(tag)
+
+
+def test_task_success_acks_the_claim(held: tuple[Any, str], store: JobStore) -> None:
+    job, tag = held
+    task_success.send(sender=job, result=None)
+    assert store.job("q", "a") == {}
+    assert store.metrics("q")["completed"] == 1
+    assert keeper().get(tag) is None
+
+
+def test_postrun_alone_does_not_ack(held: tuple[Any, str], store: JobStore) -> None:
+    # Celery sends task_postrun with state SUCCESS even when storing the result
+    # failed afterwards; only task_success says the result is stored.
+    job, tag = held
+    task_postrun.send(sender=job, task_id="t", task=job, state="SUCCESS", retval=None)
+    assert store.job("q", "a")["state"] == "active"
+    assert keeper().get(tag) is not None
