@@ -102,11 +102,11 @@ class QoS(kombu_redis.QoS):
         """
         self._flush()
         started = started_delivery_tags()
-        for tag in list(self._delivered):
-            if tag not in started:
-                # A prefork child may have started it before the worker heard
-                # of it: the recorded start decides, and such a claim stays held.
-                self.channel._release(tag, unless_started=True)
+        # A prefork child may have started one before the worker heard of it:
+        # the recorded start decides, and such a claim stays held.
+        self.channel._release_all(
+            [tag for tag in self._delivered if tag not in started], unless_started=True
+        )
         self._delivered.clear()
 
     def restore_by_tag(self, tag: str, client: Any = None, leftmost: bool = False) -> None:
@@ -353,9 +353,9 @@ class Channel(kombu_redis.Channel):
         except BaseException:
             # The delivery that raised may not have reached the QoS; the rest
             # surely did not. Both go back now, not when their leases lapse.
-            for _payload, tag in claimed[delivered:]:
-                if tag not in self.qos._delivered:
-                    self._release(tag)
+            self._release_all(
+                [tag for _payload, tag in claimed[delivered:] if tag not in self.qos._delivered]
+            )
             raise
         finally:
             if no_ack:
@@ -384,8 +384,7 @@ class Channel(kombu_redis.Channel):
         except BaseException:
             # The caller gets none of the batch: none of it may stay held. (A
             # claim already dead-lettered is no longer held; releasing it is a no-op.)
-            for tag in tags:
-                self._release(tag)
+            self._release_all(tags)
             raise
         return out
 
@@ -480,6 +479,21 @@ class Channel(kombu_redis.Channel):
                 [(claim.job_id, claim.token)],
                 self.emq.renew_interval_ms,
             )
+
+    def _release_all(self, tags: list[str], unless_started: bool = False) -> None:
+        """Release each claim; one the store cannot take back is only let go.
+
+        A claim is forgotten before its release is sent, so a release that
+        fails (Redis unreachable) leaves no claim renewed for ever: its lease
+        lapses and the sweep puts the job back. The rest are still released.
+        """
+        for tag in tags:
+            try:
+                self._release(tag, unless_started)
+            except Exception as exc:
+                logger.warning(
+                    "celery_emq: could not release %s (%r); its lease will lapse", tag, exc
+                )
 
     def _bury(self, tag: str, reason: str, error: str) -> None:
         claim = keeper().forget(tag)

@@ -208,6 +208,31 @@ def test_closing_a_channel_releases_unacked_at_once(connect: ConnFactory, store:
     assert keeper().held_count() == 0
 
 
+def test_a_release_that_fails_strands_no_other_claim(
+    connect: ConnFactory, store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conn, q = connect(), queue()
+    publish(conn, q, ["a", "b", "c"])
+    got = drain(conn, q, 3, ack=False)
+    channel = got[0][1].channel
+    release = JobStore.release
+    failed: list[str] = []
+
+    def flaky(self: JobStore, *args: Any, **kwargs: Any) -> Any:
+        if not failed:
+            failed.append(args[1])
+            raise redis.ConnectionError("Redis went away")
+        return release(self, *args, **kwargs)
+
+    monkeypatch.setattr(JobStore, "release", flaky)
+    channel.close()
+    # Nothing is left renewed for ever: the one release that failed is let go
+    # (its lease lapses), the other two went back at once.
+    assert keeper().held_count() == 0
+    assert store.counts("q") == {"pending": 2, "active": 1, "dead": 0}
+    assert store.client.zrange(store.keys("q").active, 0, -1) == [failed[0].encode()]
+
+
 def test_closing_keeps_a_claim_whose_task_started_elsewhere(
     connect: ConnFactory, store: JobStore
 ) -> None:
