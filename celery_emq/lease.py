@@ -20,6 +20,8 @@ import threading
 import uuid
 from typing import TYPE_CHECKING, NamedTuple
 
+from .scripts import Outcome
+
 if TYPE_CHECKING:
     from .store import JobStore
 
@@ -133,6 +135,25 @@ class LeaseKeeper:
         with self._lock:
             self._lost.discard(tag)
             return self._held.pop(tag, None)
+
+    def release(self, tag: str, unless_started: bool = False) -> None:
+        """Put a held claim back at the front of its queue, uncounted.
+
+        The claim is forgotten first, so a release that fails (Redis
+        unreachable) leaves nothing renewed for ever: its lease lapses and the
+        sweep puts the job back. With ``unless_started``, a claim whose task
+        has started stays held, renewed until its task settles it.
+        """
+        claim = self.forget(tag)
+        if claim is None:
+            return
+        try:
+            outcome = claim.store.release(claim.queue, claim.job_id, claim.token, unless_started)
+        except Exception as exc:
+            logger.warning("celery_emq: could not release %s (%r); its lease will lapse", tag, exc)
+            return
+        if outcome is Outcome.STARTED:
+            self.hold(claim.store, claim.queue, [(claim.job_id, claim.token)], self.interval_ms)
 
     def get(self, tag: str) -> Claim | None:
         """Return a held claim without forgetting it."""

@@ -467,33 +467,11 @@ class Channel(kombu_redis.Channel):
                     )
 
     def _release(self, tag: str, unless_started: bool = False) -> None:
-        claim = keeper().forget(tag)
-        if claim is None:
-            return
-        outcome = claim.store.release(claim.queue, claim.job_id, claim.token, unless_started)
-        if outcome is Outcome.STARTED:
-            # Still running: keep renewing it until its task settles it.
-            keeper().hold(
-                claim.store,
-                claim.queue,
-                [(claim.job_id, claim.token)],
-                self.emq.renew_interval_ms,
-            )
+        keeper().release(tag, unless_started)
 
     def _release_all(self, tags: list[str], unless_started: bool = False) -> None:
-        """Release each claim; one the store cannot take back is only let go.
-
-        A claim is forgotten before its release is sent, so a release that
-        fails (Redis unreachable) leaves no claim renewed for ever: its lease
-        lapses and the sweep puts the job back. The rest are still released.
-        """
         for tag in tags:
-            try:
-                self._release(tag, unless_started)
-            except Exception as exc:
-                logger.warning(
-                    "celery_emq: could not release %s (%r); its lease will lapse", tag, exc
-                )
+            keeper().release(tag, unless_started)
 
     def _bury(self, tag: str, reason: str, error: str) -> None:
         claim = keeper().forget(tag)

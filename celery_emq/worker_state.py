@@ -150,6 +150,16 @@ def _install_worker_lost_probe() -> None:
             and not getattr(self, "_already_revoked", False)
         )
         task = self.task
+        if getattr(self, "_already_cancelled", False) and task.acks_late:
+            # Celery cancelled the task because the broker connection was lost,
+            # and leaves the message unsettled for the broker to redeliver: let
+            # the claim go back now rather than keep it renewed for ever.
+            from .lease import keeper
+
+            try:
+                return original(self, exc_info, *args, **kwargs)
+            finally:
+                keeper().release(self.message.delivery_tag)
         if not lost or not task.acks_late or getattr(task, "retry_on_worker_lost", False):
             # With retry_on_worker_lost Celery publishes a retry and acks this
             # delivery: its retries (max_retries) bound the task, not the stall

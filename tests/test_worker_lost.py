@@ -144,3 +144,29 @@ def test_retry_on_worker_lost_leaves_the_delivery_to_celery(
         probed(request, _ExcInfo(WorkerLostError("gone")))
     assert handed == []
     assert worker_state.pop_mark("r1#1") is None
+
+
+def test_a_task_cancelled_on_connection_loss_goes_back_at_once(probed: Any, store: Any) -> None:
+    from billiard.exceptions import Terminated
+
+    from celery_emq.lease import keeper
+
+    app = Celery("probe", set_as_current=False)
+
+    @app.task(acks_late=True)
+    def job() -> None: ...
+
+    store.enqueue("q", "a", b"{}")
+    [claim] = store.claim("q", "w")
+    store.start("q", "a", claim.deliveries)
+    [tag] = keeper().hold(store, "q", [(claim.id, claim.deliveries)], 10_000)
+    request = _Request(job, tag)
+    request._already_cancelled = True
+    # Celery leaves the message unsettled for the broker to redeliver ...
+    probed(request, _ExcInfo(Terminated(9)))
+    assert request.rejected == [] and request.acked == 0
+    # ... so the claim goes back now instead of being renewed for ever.
+    assert keeper().get(tag) is None
+    row = store.job("q", "a")
+    assert (row["state"], row["stalled"]) == ("pending", "0")
+    assert store.counts("q") == {"pending": 1, "active": 0, "dead": 0}
