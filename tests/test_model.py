@@ -153,6 +153,11 @@ class JobStoreModel(RuleBasedStateMachine):
                 self.wake += 1
         self.head += n
 
+    def _drop_empty_lane(self, job: Job) -> None:
+        """A group whose lane a job left empty leaves ``lanes`` (ack and bury of pending)."""
+        if job.group and not self._lane(job.group):
+            self.lanes.discard(job.group)
+
     def _kill(self, job: Job) -> None:
         job.state, job.owner, job.died_ms = "dead", "", self.now
 
@@ -209,9 +214,12 @@ class JobStoreModel(RuleBasedStateMachine):
             "dead": Outcome.DEAD,
             "pending": Outcome.LEASE_LOST,
         }[job.state]
-        if job.state == "pending":
+        was_pending = job.state == "pending"
+        if was_pending:
             self._take_marker()
         job.state = "gone"
+        if was_pending:
+            self._drop_empty_lane(job)
         self.metrics["completed"] += 1
         return outcome
 
@@ -472,9 +480,12 @@ class JobStoreModel(RuleBasedStateMachine):
         else:
             # From the live claim, or from pending after that claim lapsed.
             expected = Outcome.OK
-            if job.state == "pending":
+            was_pending = job.state == "pending"
+            if was_pending:
                 self._take_marker()
             self._kill(job)
+            if was_pending:
+                self._drop_empty_lane(job)
             self.metrics["failed"] += 1
         outcome = self.store.bury(QUEUE, c.id, c.token, "rejected", "no", now_ms=self.now)
         assert outcome == expected

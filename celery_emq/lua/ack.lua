@@ -4,7 +4,7 @@
   KEYS[3] wake      <p>:{q}:wake (LIST)
   KEYS[4] dead      <p>:{q}:dead (ZSET)
   KEYS[5] completed <p>:{q}:metrics:completed (HASH, field count)
-  KEYS[6] base      <p>:{q}: (job rows and lane keys derive from it)
+  KEYS[6] base      <p>:{q}: (job rows, lane keys and lanes derive from it)
   ARGV[1..] id, token pairs (the token is the claim's delivery count; at most 500 pairs)
   Returns one code per pair:
   0 OK        acked under the live claim it names; deleted
@@ -46,6 +46,10 @@ for i = 1, #ARGV, 2 do
       if redis.call('ZREM', lane, id) == 1 then
         -- One fewer claimable job: one fewer wake marker.
         redis.call('RPOP', wake)
+      end
+      if row[3] and redis.call('EXISTS', lane) == 0 then
+        -- The group has no lane left: claims and wake-ups no longer look at it.
+        redis.call('ZREM', base .. 'lanes', row[3])
       end
       code = 2
     end

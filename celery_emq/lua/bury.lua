@@ -7,7 +7,7 @@
   KEYS[4] dead      <p>:{q}:dead (ZSET, score = time of death ms)
   KEYS[5] job       <p>:{q}:job:<id> (HASH)
   KEYS[6] failed    <p>:{q}:metrics:failed (HASH, field count)
-  KEYS[7] base      <p>:{q}: (lane keys derive from it)
+  KEYS[7] base      <p>:{q}: (lane keys and lanes derive from it)
   ARGV[1] id
   ARGV[2] token     the claim's delivery count
   ARGV[3] reason    short machine-readable reason (malformed, rejected, ...)
@@ -48,6 +48,9 @@ else
   end
   if redis.call('ZREM', lane, id) == 1 then
     redis.call('RPOP', wake)
+  end
+  if row[3] and redis.call('EXISTS', lane) == 0 then
+    redis.call('ZREM', base .. 'lanes', row[3])
   end
 end
 redis.call('HSET', job, 'state', 'dead', 'owner', '', 'last_error', reason,

@@ -141,3 +141,23 @@ def test_a_marker_given_back_after_another_consumer_claimed_is_dropped(
     assert client.rpop(k.wake) == b"1"
     assert store.give_back("q") is True
     assert client.llen(k.wake) == 1
+
+
+def test_a_lane_emptied_by_a_stale_ack_or_bury_leaves_no_trace(
+    store: JobStore, client: redis.Redis
+) -> None:
+    k = store.keys("q")
+    for job_id in ("a", "b"):
+        store.enqueue("q", job_id, b"{}", group="g", now_ms=1)
+        [claim] = store.claim("q", "w", now_ms=2)
+        store.reap("q", now_ms=2 + store.lease_ms + 1)
+        # The lapsed claim settles after all: the job leaves its lane.
+        if job_id == "a":
+            assert store.ack("q", "a", claim.deliveries) is Outcome.LEASE_LOST
+        else:
+            assert store.bury("q", "b", claim.deliveries, "rejected", now_ms=9) is Outcome.OK
+        assert client.zrange(k.lanes, 0, -1) == []
+        assert store.waiting(["q"]) == []
+        # A consumer that had popped nothing hands no marker back for it either.
+        assert store.give_back("q") is False
+        assert client.llen(k.wake) == 0
