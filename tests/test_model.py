@@ -32,6 +32,7 @@ nothing. So ``LLEN(wake) <= claimable`` always, and
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -674,9 +675,11 @@ class JobStoreModel(RuleBasedStateMachine):
 
 
 TestJobStoreModel = JobStoreModel.TestCase
+# CI runs 100 examples of 80 steps (about 20 s); a longer run sets, for example,
+# EMQ_MODEL_EXAMPLES=1500 EMQ_MODEL_STEPS=100.
 TestJobStoreModel.settings = settings(
-    max_examples=100,
-    stateful_step_count=80,
+    max_examples=int(os.environ.get("EMQ_MODEL_EXAMPLES", "100")),
+    stateful_step_count=int(os.environ.get("EMQ_MODEL_STEPS", "80")),
     deadline=None,
     derandomize=False,
     suppress_health_check=[HealthCheck.too_slow],
