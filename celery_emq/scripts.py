@@ -91,7 +91,8 @@ class Swept:
 
     id: str
     #: "recovered" | "dead" | "requeued" (lapsed before it started: uncounted) |
-    #: "completed" (an older claim completed it: deleted)
+    #: "completed" (an older claim completed it: deleted) | "graced" (lapsed in an
+    #: outage: one more lease, uncounted)
     outcome: str
     stalled: int
     payload: bytes
@@ -288,11 +289,14 @@ class Scripts:
         limit: int,
         max_stalled: int | None,
         reason: str,
+        lease_ms: int,
         claims: Sequence[tuple[str, int]] = (),
     ) -> list[Swept]:
         """Count a stall on lapsed (or the named) claims; recover or dead-letter each.
 
-        A lapsed claim whose task never started is requeued uncounted.
+        A lapsed claim whose task never started is requeued uncounted; one that
+        lapsed in an outage (no sweep for over half ``lease_ms``) is granted
+        one more lease, once.
         """
         reply = self._run(
             "sweep",
@@ -302,6 +306,7 @@ class Scripts:
                 limit,
                 -1 if max_stalled is None else max_stalled,
                 reason,
+                lease_ms,
                 *(x for claim in claims for x in claim),
             ],
         )

@@ -149,7 +149,9 @@ class JobStore:
         ``max_stalled`` is the budget of jobs that carry none of their own;
         ``None`` never dead-letters.
         """
-        return self.scripts.sweep(self.keys(queue), now_ms, limit, max_stalled, reason)
+        return self.scripts.sweep(
+            self.keys(queue), now_ms, limit, max_stalled, reason, self.lease_ms
+        )
 
     def charge(
         self,
@@ -166,7 +168,7 @@ class JobStore:
         longer the job's live claim (fenced: nothing changes).
         """
         swept = self.scripts.sweep(
-            self.keys(queue), now_ms, 1, max_stalled, reason, [(job_id, token)]
+            self.keys(queue), now_ms, 1, max_stalled, reason, self.lease_ms, [(job_id, token)]
         )
         return swept[0] if swept else None
 

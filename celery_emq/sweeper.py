@@ -45,6 +45,8 @@ class SweepReport:
     requeued: list[str] = field(default_factory=list)
     #: Lapsed after an older claim of theirs had completed: deleted as done.
     completed: list[str] = field(default_factory=list)
+    #: Lapsed in an outage (no sweep ran for over half a lease): one more lease, uncounted.
+    graced: list[str] = field(default_factory=list)
     trimmed: int = 0
 
     def as_dict(self) -> dict[str, Any]:
@@ -81,6 +83,13 @@ class Sweeper:
             self._after(queue, swept, report, "lease_expired")
             if len(swept) < self.options.sweep_batch:
                 break
+        if report.graced:
+            logger.warning(
+                "celery_emq: no sweep of %s ran for over half a lease (an outage?): "
+                "%d lapsed lease(s) granted one more lease, no stall counted",
+                queue,
+                len(report.graced),
+            )
         if report.dead:
             report.trimmed = self.trim(queue, now_ms)
         return report
@@ -180,6 +189,9 @@ class Sweeper:
                 continue
             if job.outcome == "completed":
                 report.completed.append(job.id)
+                continue
+            if job.outcome == "graced":
+                report.graced.append(job.id)
                 continue
             info = describe(job.payload, queue, job.id, job.stalled, reason, accept=self.accept)
             _send(job_stalled, info)

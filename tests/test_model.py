@@ -91,6 +91,7 @@ class Job:
     deadline: int = 0
     died_ms: int = 0
     completed: bool = False  # an older claim completed it while a newer one held it
+    graced: int = 0  # the deadline an outage grace granted its claim
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,9 @@ class JobStoreModel(RuleBasedStateMachine):
         self.wake = 0
         self.lost = 0
         self.metrics = dict.fromkeys(METRICS, 0)
+        # When the last sweep ran, and the last gap between sweeps over half a lease.
+        self.swept_at: int | None = None
+        self.outage: tuple[int, int] | None = None
 
     def teardown(self) -> None:
         delete_prefix(self.client, self.prefix)
@@ -517,10 +521,23 @@ class JobStoreModel(RuleBasedStateMachine):
     @precondition(lambda self: self._lapsed(1))
     @rule(limit=LIMITS)
     def sweep(self, limit: int) -> None:
+        if self.swept_at is not None and self.now - self.swept_at > LEASE_MS / 2:
+            self.outage = (self.swept_at, self.now)
+        self.swept_at = self.now
         batch = self._lapsed(limit)
         expected, front = [], []
         for job in batch:
-            if job.completed:
+            if (
+                not job.completed
+                and self.outage
+                and self.outage[0] < job.deadline <= self.outage[1] + LEASE_MS / 2
+                and job.graced != job.deadline
+            ):
+                # Lapsed in an outage: one more lease, no stall, stays where it is.
+                job.deadline = job.graced = self.now + LEASE_MS
+                expected.append(Swept(job.id, "graced", job.stalled, b""))
+                front.append(None)
+            elif job.completed:
                 expected.append(Swept(job.id, "completed", job.stalled, job.payload))
                 front.append(None)
                 self._done(job)

@@ -10,6 +10,7 @@ from celery import Celery
 
 from celery_emq import Morgue
 from celery_emq.store import JobStore
+from tests.conftest import sweeps_ran_until
 
 
 @pytest.fixture
@@ -30,6 +31,7 @@ def kill(
     [job] = store.claim(queue, "w", now_ms=when_ms - 6000)
     store.start(queue, job.id, job.deliveries)
     store.register(queue)
+    sweeps_ran_until(store, queue, when_ms - 1)
     [swept] = store.sweep(queue, max_stalled=0, now_ms=when_ms)
     assert swept.outcome == "dead"
     return job.id

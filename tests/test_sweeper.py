@@ -15,6 +15,7 @@ from celery_emq.scripts import Outcome
 from celery_emq.signals import job_dead_lettered, job_recovered, job_stalled
 from celery_emq.store import JobStore
 from celery_emq.sweeper import Sweeper
+from tests.conftest import sweeps_ran_until
 
 
 @pytest.fixture
@@ -63,6 +64,7 @@ def test_dead_letter_fires_signals_stores_failure_and_sends_event(
             next(it)  # declare the event queue before the sweep sends
         except (TimeoutError, StopIteration):
             pass
+        sweeps_ran_until(store, "celery", 13_999)
         report = sweeper.sweep("celery", now_ms=14_000)
         assert report.dead == [job_id]
         for _ in range(5):

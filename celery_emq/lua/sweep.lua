@@ -10,11 +10,18 @@
   ARGV[2] limit       most jobs examined by this call (1..1000)
   ARGV[3] max_stalled stalls forgiven when the row names no budget; -1 never dead-letters
   ARGV[4] reason      why these jobs stalled: lease_expired | worker_lost
-  ARGV[5..] id, token pairs: charge these live claims (a worker lost the process
+  ARGV[5] lease_ms    the queue's lease: an outage is a gap between sweeps of over half of it
+  ARGV[6..] id, token pairs: charge these live claims (a worker lost the process
             running them) instead of examining the lapsed ones
-  Returns a flat array: id, outcome (recovered | dead | requeued | completed), stalled,
-  payload, ... A job an older claim completed (its ack was fenced, `completed` is
-  set) is deleted and counted completed instead (outcome completed).
+  Returns a flat array: id, outcome (recovered | dead | requeued | completed | graced),
+  stalled, payload, ... A job an older claim completed (its ack was fenced, `completed`
+  is set) is deleted and counted completed instead (outcome completed).
+  Outage rule: `<base>swept` (HASH at, from, to) keeps when sweeps ran. A live worker
+  renews at least every half lease, so its lease lapses only if Redis did not hear from
+  it for half a lease; a pass finding that no sweep ran for over half a lease takes the
+  gap (from, to) as an outage. A lease that lapsed in it, or within half a lease after
+  it (its keeper had no time to renew), is granted one more lease uncounted, once per
+  deadline (`graced` holds the deadline granted): outcome graced.
   A lapsed claim whose task never started (`started` is not its token) is
   requeued uncounted (outcome requeued). A charged claim has started.
   Budget: stalled <= max_stalled recovers (to the front of its queue or lane),
@@ -24,6 +31,7 @@ local active, pending, wake, head, dead = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KE
 local lanes, base = KEYS[6], KEYS[7]
 local limit = tonumber(ARGV[2])
 local default_budget, reason = tonumber(ARGV[3]), ARGV[4]
+local lease_ms = tonumber(ARGV[5])
 local now_ms = tonumber(ARGV[1])
 if not now_ms then
   local t = redis.call('TIME')
@@ -32,15 +40,29 @@ end
 
 local BAND = 1099511627776
 local HISTORY = 20
+local SWEPT_TTL_MS = 86400000
 
-local charge = #ARGV >= 5
+local charge = #ARGV >= 6
 local ids, tokens = {}, {}
+-- The outage window lapses are forgiven in (none unless one was seen).
+local outage_from, outage_to
 if charge then
-  for i = 5, math.min(#ARGV, 4 + 2 * limit), 2 do
+  for i = 6, math.min(#ARGV, 5 + 2 * limit), 2 do
     ids[#ids + 1] = ARGV[i]
     tokens[#ids] = ARGV[i + 1]
   end
 else
+  local swept = base .. 'swept'
+  local seen = redis.call('HMGET', swept, 'at', 'from', 'to')
+  local last = tonumber(seen[1])
+  if last and now_ms - last > lease_ms / 2 then
+    outage_from, outage_to = last, now_ms
+    redis.call('HSET', swept, 'from', last, 'to', now_ms)
+  elseif seen[2] then
+    outage_from, outage_to = tonumber(seen[2]), tonumber(seen[3])
+  end
+  redis.call('HSET', swept, 'at', now_ms)
+  redis.call('PEXPIRE', swept, SWEPT_TTL_MS)
   ids = redis.call('ZRANGE', active, '-inf', now_ms, 'BYSCORE', 'LIMIT', 0, limit)
 end
 
@@ -57,9 +79,20 @@ local out = {}
 for i, id in ipairs(ids) do
   local job = base .. 'job:' .. id
   local row = redis.call('HMGET', job, 'state', 'owner', 'priority', 'max_stalled', 'payload',
-    'history', 'group', 'deliveries', 'started', 'completed')
-  local examine = redis.call('ZSCORE', active, id) and (not charge or row[8] == tokens[i])
-  if examine and not row[1] then
+    'history', 'group', 'deliveries', 'started', 'completed', 'graced')
+  local deadline = tonumber(redis.call('ZSCORE', active, id))
+  local examine = deadline and (not charge or row[8] == tokens[i])
+  if examine and row[1] and not row[10] and outage_from and deadline > outage_from
+      and deadline <= outage_to + lease_ms / 2 and tonumber(row[11]) ~= deadline then
+    -- Lapsed in an outage: its worker may be alive and could not renew. One more lease.
+    local granted = now_ms + lease_ms
+    redis.call('ZADD', active, 'XX', granted, id)
+    redis.call('HSET', job, 'graced', granted)
+    out[#out + 1] = id
+    out[#out + 1] = 'graced'
+    out[#out + 1] = tonumber(redis.call('HGET', job, 'stalled') or '0')
+    out[#out + 1] = false
+  elseif examine and not row[1] then
     -- A lease without a row (a foreign writer deleted it): drop the lease.
     redis.call('ZREM', active, id)
   elseif examine then

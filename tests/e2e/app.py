@@ -2,7 +2,9 @@
 
 Configured from the environment so each test gets its own key prefix and lease:
 ``EMQ_E2E_REDIS`` (a ``redis://`` URL), ``EMQ_E2E_PREFIX``, ``EMQ_E2E_LEASE_MS``.
-Tasks record every run in Redis under the prefix so tests can count them.
+Tasks record every run in Redis under the prefix so tests can count them: in the
+broker's Redis, or in ``EMQ_E2E_LEDGER`` (which also holds the results) when a
+fault test takes the broker's Redis down.
 """
 
 from __future__ import annotations
@@ -23,13 +25,16 @@ from celery_emq.signals import job_dead_lettered
 REDIS = os.environ.get("EMQ_E2E_REDIS", "redis://127.0.0.1:6379/11")
 PREFIX = os.environ.get("EMQ_E2E_PREFIX", "e2e:")
 LEASE_MS = int(os.environ.get("EMQ_E2E_LEASE_MS", "30000"))
+LEDGER = os.environ.get("EMQ_E2E_LEDGER") or REDIS
 
 
-def make_conf(redis_url: str, prefix: str, lease_ms: int) -> dict[str, Any]:
+def make_conf(
+    redis_url: str, prefix: str, lease_ms: int, ledger: str | None = None
+) -> dict[str, Any]:
     """Return the Celery settings shared by the workers and the test's client."""
     return {
         "broker_url": redis_url.replace("redis://", "emq://", 1),
-        "result_backend": redis_url,
+        "result_backend": ledger or redis_url,
         "result_backend_transport_options": {"global_keyprefix": prefix},
         "broker_transport_options": {
             "global_keyprefix": prefix,
@@ -46,15 +51,17 @@ def make_conf(redis_url: str, prefix: str, lease_ms: int) -> dict[str, Any]:
     }
 
 
-def client_app(redis_url: str, prefix: str, lease_ms: int = 30000) -> Celery:
+def client_app(
+    redis_url: str, prefix: str, lease_ms: int = 30000, ledger: str | None = None
+) -> Celery:
     """A Celery app for the test process, sending to the same queues."""
     c = Celery("e2e-client", set_as_current=False)
-    c.conf.update(make_conf(redis_url, prefix, lease_ms))
+    c.conf.update(make_conf(redis_url, prefix, lease_ms, ledger))
     return c
 
 
 app = Celery("e2e")
-app.conf.update(make_conf(REDIS, PREFIX, LEASE_MS))
+app.conf.update(make_conf(REDIS, PREFIX, LEASE_MS, LEDGER))
 if os.environ.get("EMQ_E2E_BEAT_S"):
     celery_emq.schedule_sweep(app, every_s=float(os.environ["EMQ_E2E_BEAT_S"]))
 
@@ -64,7 +71,7 @@ _r: redis.Redis | None = None
 def rec() -> redis.Redis:
     global _r
     if _r is None:
-        _r = redis.Redis.from_url(REDIS)
+        _r = redis.Redis.from_url(LEDGER)
     return _r
 
 

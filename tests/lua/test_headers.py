@@ -59,7 +59,7 @@ CALLS: dict[str, tuple[Call, int]] = {
     "bury": (lambda s, k: s.bury(k, "id", 1, "r", "e", 1), 0),
     "purge": (lambda s, k: s.purge(k, 10), 0),
     "reap": (lambda s, k: s.reap(k, 1, 10), 0),
-    "sweep": (lambda s, k: s.sweep(k, 1, 10, 1, "worker_lost", PAIRS), 4),
+    "sweep": (lambda s, k: s.sweep(k, 1, 10, 1, "worker_lost", 5000, PAIRS), 4),
     "trim": (lambda s, k: s.trim(k, 1, 1000, 10, 10), 0),
     "retry": (lambda s, k: s.retry(k, 1, ["a", "b"]), 2),
     "purge_dead": (lambda s, k: s.purge_dead(k, ["a", "b"]), 2),
@@ -73,7 +73,7 @@ SERVER_TIME: dict[str, Call] = {
     "extend": lambda s, k: s.extend(k, 1000, None, PAIRS),
     "bury": lambda s, k: s.bury(k, "id", 1, "r", "e", None),
     "reap": lambda s, k: s.reap(k, None, 10),
-    "sweep": lambda s, k: s.sweep(k, None, 10, 1, "lease_expired"),
+    "sweep": lambda s, k: s.sweep(k, None, 10, 1, "lease_expired", 5000),
     "trim": lambda s, k: s.trim(k, None, 1000, 10, 10),
     "retry": lambda s, k: s.retry(k, None, ["a"]),
 }

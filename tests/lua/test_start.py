@@ -8,6 +8,7 @@ import redis
 
 from celery_emq.scripts import Outcome
 from celery_emq.store import JobStore
+from tests.conftest import sweeps_ran_until
 
 #: Four prefetched deliveries of one worker; only the poison's task started.
 BATCH = ["j0", "j1", "poison", "x3"]
@@ -22,6 +23,7 @@ def crash(store: JobStore, claimed_ms: int, max_stalled: int) -> dict[str, tuple
     assert [j.id for j in claimed] == BATCH
     poison = next(j for j in claimed if j.id == "poison")
     assert store.start("q", "poison", poison.deliveries) is Outcome.OK
+    sweeps_ran_until(store, "q", claimed_ms + store.lease_ms)
     swept = store.sweep("q", max_stalled=max_stalled, now_ms=claimed_ms + store.lease_ms + 1)
     return {s.id: (s.outcome, s.stalled) for s in swept}
 

@@ -7,7 +7,7 @@ import pytest
 import redis
 
 from celery_emq.store import JobStore
-from tests.conftest import bulk_enqueue, bulk_start
+from tests.conftest import bulk_enqueue, bulk_start, sweeps_ran_until
 
 
 def lapse(
@@ -74,6 +74,7 @@ def test_second_stall_dead_letters_with_budget_1(store: JobStore, client: redis.
     [job] = store.claim("q", "w2", now_ms=50_000)
     assert job.stalled == 1  # the count travels with the job into its next claim
     store.start("q", "a", job.deliveries)
+    sweeps_ran_until(store, "q", after_lease(store, 50_000) - 1)
     [swept] = store.sweep("q", max_stalled=1, now_ms=after_lease(store, 50_000))
     assert (swept.outcome, swept.stalled) == ("dead", 2)
     k = store.keys("q")
@@ -96,6 +97,7 @@ def test_budget_0_dead_letters_on_the_first_stall(store: JobStore) -> None:
 def test_budget_none_never_dead_letters(store: JobStore) -> None:
     lapse(store, "q", ["a"])
     for n in range(1, 26):
+        sweeps_ran_until(store, "q", after_lease(store, n * 100_000) - 1)
         [swept] = store.sweep("q", max_stalled=None, now_ms=after_lease(store, n * 100_000))
         assert (swept.outcome, swept.stalled) == ("recovered", n)
         claim_started(store, "q", "w", (n + 1) * 100_000)
@@ -106,6 +108,7 @@ def test_budget_3_recovers_three_times(store: JobStore) -> None:
     lapse(store, "q", ["a"])
     outcomes = []
     for n in range(1, 5):
+        sweeps_ran_until(store, "q", after_lease(store, n * 100_000) - 1)
         outcomes.append(store.sweep("q", max_stalled=3, now_ms=after_lease(store, n * 100_000))[0])
         claim_started(store, "q", "w", (n + 1) * 100_000)
     assert [o.outcome for o in outcomes] == ["recovered"] * 3 + ["dead"]

@@ -1,0 +1,197 @@
+"""Private ``redis-server`` processes and a TCP proxy for the fault tests.
+
+Each server runs on a loopback port of its own, in a directory of its own, and
+is stopped by PID; a restart reuses the port and the directory (so an AOF file
+is read back).
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+REDIS_SERVER = shutil.which("redis-server")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    """One ``redis-server`` on ``127.0.0.1:<port>`` in ``workdir``.
+
+    Args:
+        workdir: its directory (AOF files, log).
+        aof: append-only file with ``appendfsync always`` (else no persistence).
+        extra: more ``--name value`` arguments.
+    """
+
+    def __init__(self, workdir: Path, aof: bool = False, *extra: str) -> None:
+        assert REDIS_SERVER, "redis-server is not on PATH"
+        self.dir = workdir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.aof = aof
+        self.extra = extra
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self, **kwargs: Any) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, **kwargs)
+
+    def start(self, timeout: float = 20) -> None:
+        assert self.proc is None or self.proc.poll() is not None
+        persistence = (
+            ["--appendonly", "yes", "--appendfsync", "always"]
+            if self.aof
+            else ["--appendonly", "no"]
+        )
+        self.starts += 1
+        self.proc = subprocess.Popen(
+            [
+                str(REDIS_SERVER),
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                *persistence,
+                "--dir",
+                str(self.dir),
+                "--logfile",
+                str(self.dir / "redis.log"),
+                *self.extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + timeout
+        c = self.client(socket_timeout=1)
+        try:
+            while True:
+                try:
+                    # An AOF still loading answers LOADING: wait for a real reply.
+                    c.ping()
+                    return
+                except (redis.ConnectionError, redis.BusyLoadingError, redis.TimeoutError):
+                    if self.proc.poll() is not None or time.monotonic() > deadline:
+                        raise AssertionError(
+                            f"redis-server on {self.port} did not start: "
+                            + (self.dir / "redis.log").read_text(errors="replace")[-2000:]
+                        ) from None
+                    time.sleep(0.05)
+        finally:
+            c.close()
+
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        """Stop the server (SIGKILL by default: a crash) and wait for it."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(20)
+
+    def __enter__(self) -> RedisServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class StallingProxy:
+    """A loopback TCP proxy to ``target_port`` that can leave its links half-open.
+
+    After :meth:`freeze`, every connection open at that moment stays open but no
+    byte crosses it again either way: the peer looks alive and never answers
+    (as after a failover, a NAT drop or a pulled cable). Connections made later
+    are forwarded as usual.
+    """
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self._listener = socket.socket()
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(64)
+        self.port = int(self._listener.getsockname()[1])
+        self._closed = threading.Event()
+        self._links: list[tuple[socket.socket, socket.socket, threading.Event]] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def connections(self) -> int:
+        with self._lock:
+            return len(self._links)
+
+    def freeze(self) -> int:
+        """Stop forwarding on every open connection, for good; return how many."""
+        with self._lock:
+            for _down, _up, frozen in self._links:
+                frozen.set()
+            return len(self._links)
+
+    def _accept(self) -> None:
+        self._listener.settimeout(0.2)
+        while not self._closed.is_set():
+            try:
+                down, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            up = socket.create_connection(("127.0.0.1", self.target_port))
+            frozen = threading.Event()
+            with self._lock:
+                self._links.append((down, up, frozen))
+            for a, b in ((down, up), (up, down)):
+                threading.Thread(target=self._pipe, args=(a, b, frozen), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, frozen: threading.Event) -> None:
+        src.settimeout(0.2)
+        while not self._closed.is_set():
+            if frozen.is_set():
+                time.sleep(0.05)
+                continue
+            try:
+                data = src.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if not data:
+                break
+            if frozen.is_set():
+                continue  # swallowed: the link is dead
+            try:
+                dst.sendall(data)
+            except OSError:
+                break
+        if not frozen.is_set():
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._closed.set()
+        self._listener.close()
+        with self._lock:
+            for down, up, _frozen in self._links:
+                down.close()
+                up.close()
