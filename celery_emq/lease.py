@@ -100,6 +100,9 @@ class LeaseKeeper:
         self._lock = threading.Lock()
         self._held: dict[str, Claim] = {}
         self._lost: set[str] = set()
+        # Claims whose task finished but whose ack could not reach Redis: still
+        # renewed, and acked again on every pass until one gets through.
+        self._owed: set[str] = set()
         self._interval_ms: int | None = None
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -134,7 +137,46 @@ class LeaseKeeper:
         """Stop renewing a claim (settled); return it, or ``None`` if not held."""
         with self._lock:
             self._lost.discard(tag)
+            self._owed.discard(tag)
             return self._held.pop(tag, None)
+
+    def owe_acks(self, claims: list[Claim]) -> None:
+        """Hold finished claims whose ack failed; ack them again on every pass.
+
+        Their leases stay renewed meanwhile, so a task that finished while Redis
+        was unreachable is neither counted as a stall nor run again.
+        """
+        with self._lock:
+            for c in claims:
+                tag = delivery_tag(c.job_id, c.token)
+                self._held[tag] = c
+                self._owed.add(tag)
+        self._wake.set()
+
+    def owed_count(self) -> int:
+        """Return how many finished claims wait for their ack to get through."""
+        with self._lock:
+            return len(self._owed)
+
+    def settle_owed(self) -> int:
+        """Ack the claims whose ack failed before; return how many went through."""
+        groups: dict[tuple[int, str], list[Claim]] = {}
+        with self._lock:
+            for tag in self._owed:
+                c = self._held[tag]
+                groups.setdefault((id(c.store), c.queue), []).append(c)
+        settled = 0
+        for claims in groups.values():
+            claims[0].store.ack_many(claims[0].queue, [(c.job_id, c.token) for c in claims])
+            with self._lock:
+                for c in claims:
+                    tag = delivery_tag(c.job_id, c.token)
+                    self._owed.discard(tag)
+                    self._held.pop(tag, None)
+            settled += len(claims)
+        if settled:
+            logger.info("celery_emq: %d deferred ack(s) went through", settled)
+        return settled
 
     def release(self, tag: str, unless_started: bool = False) -> None:
         """Put a held claim back at the front of its queue, uncounted.
@@ -207,18 +249,31 @@ class LeaseKeeper:
         return lost
 
     def _run(self) -> None:
-        failed = False
+        failures = 0
         while True:
             interval_ms = self.interval_ms
-            # After a failure retry within a second: a lease outlives about
-            # two renewal intervals, so one missed pass must not wait a whole one.
-            self._wake.wait(min(interval_ms, 1000) / 1000 if failed else interval_ms / 1000)
+            # After a failure retry at once (the failed connection was dropped,
+            # the next call opens a fresh one), then within a second: a lease
+            # outlives about two renewal intervals, so one missed pass must not
+            # wait a whole one.
+            if failures == 1:
+                wait_ms = 100
+            elif failures:
+                wait_ms = min(interval_ms, 1000)
+            else:
+                wait_ms = interval_ms
+            self._wake.wait(wait_ms / 1000)
             self._wake.clear()
             if not self._held:
                 continue
             try:
+                if self._owed:
+                    self.settle_owed()
                 self.renew_once()
-                failed = False
-            except Exception:
-                failed = True
-                logger.exception("celery_emq: lease renewal failed; retrying")
+                failures = 0
+            except Exception as exc:
+                failures += 1
+                if failures == 1:
+                    logger.warning("celery_emq: lease renewal failed (%r); retrying", exc)
+                else:
+                    logger.exception("celery_emq: lease renewal failed again; retrying")

@@ -9,6 +9,7 @@ ack/reject/restore and recovery go through :class:`~celery_emq.store.JobStore`.
 from __future__ import annotations
 
 import logging
+import socket
 import uuid
 from queue import Empty
 from time import monotonic
@@ -51,6 +52,13 @@ CONTENT_DISALLOWED = "content_disallowed"
 #: How often a channel records again that a queue it publishes to or consumes is a
 #: task queue (the registry may have dropped it while it was empty).
 REGISTER_EVERY_S = 60.0
+#: TCP keepalive on every connection: a peer that vanished without closing the
+#: connection is noticed after about 10 + 3 x 5 s of silence, not hours.
+KEEPALIVE_OPTIONS: dict[int, int] = {
+    opt: value
+    for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3))
+    if (opt := getattr(socket, name, None)) is not None
+}
 
 
 class QoS(kombu_redis.QoS):
@@ -124,6 +132,13 @@ class Channel(kombu_redis.Channel):
     _in_poll: Any = False
     _brpop_sent_at: Any = None
 
+    # No connection waits for ever on a dead link (kombu's defaults are None):
+    # each is overridden by the transport option of the same name.
+    socket_connect_timeout: Any = 5.0
+    socket_timeout: Any = 10.0
+    socket_keepalive: Any = True
+    socket_keepalive_options: Any = KEEPALIVE_OPTIONS
+
     def __init__(self, connection: Any, *args: Any, **kwargs: Any) -> None:
         topts = connection.client.transport_options
         # Validate before connecting, so a bad option fails fast and by name.
@@ -156,13 +171,25 @@ class Channel(kombu_redis.Channel):
         deliveries still running after kombu reset its pools (reconnect).
         """
         if self._store is None:
-            self._store_pool = redis.ConnectionPool(**self._connparams())
+            params = self._connparams()
+            params["socket_timeout"] = self.store_timeout_s
+            self._store_pool = redis.ConnectionPool(**params)
             self._store = JobStore(
                 redis.Redis(connection_pool=self._store_pool),
                 self.emq.key_prefix,
                 self.emq.lease_ms,
             )
         return self._store
+
+    @property
+    def store_timeout_s(self) -> float:
+        """The store's socket timeout: one renewal interval, from 1 to 5 s.
+
+        A renewal stuck on a dead connection must fail in time for the keeper
+        to retry on a fresh one before the lease lapses.
+        """
+        bound = max(1.0, min(5.0, self.emq.renew_interval_ms / 1000))
+        return min(float(self.socket_timeout), bound) if self.socket_timeout else bound
 
     @property
     def sweeper(self) -> Sweeper:
@@ -455,7 +482,19 @@ class Channel(kombu_redis.Channel):
                 by_queue.setdefault((id(claim.store), claim.queue), []).append(claim)
         for claims in by_queue.values():
             store, queue = claims[0].store, claims[0].queue
-            outcomes = store.ack_many(queue, [(c.job_id, c.token) for c in claims])
+            try:
+                outcomes = store.ack_many(queue, [(c.job_id, c.token) for c in claims])
+            except redis.RedisError as exc:
+                # The tasks finished: their claims stay held and renewed, and
+                # the keeper acks them once Redis answers again.
+                keeper().owe_acks(claims)
+                logger.warning(
+                    "celery_emq: ack of %d job(s) in %s failed (%r); retried by the lease keeper",
+                    len(claims),
+                    queue,
+                    exc,
+                )
+                continue
             for claim, outcome in zip(claims, outcomes, strict=True):
                 if outcome is not Outcome.OK:
                     logger.warning(

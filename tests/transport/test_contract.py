@@ -233,6 +233,36 @@ def test_a_release_that_fails_strands_no_other_claim(
     assert store.client.zrange(store.keys("q").active, 0, -1) == [failed[0].encode()]
 
 
+def test_an_ack_that_fails_keeps_the_claim_and_goes_through_later(
+    connect: ConnFactory, store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conn, q = connect(), queue()
+    publish(conn, q, ["a", "b"])
+    got = drain(conn, q, 2, ack=False)
+    ack_many = JobStore.ack_many
+    down = [True]
+
+    def unreachable(self: JobStore, *args: Any, **kwargs: Any) -> Any:
+        if down[0]:
+            raise redis.ConnectionError("Redis went away")
+        return ack_many(self, *args, **kwargs)
+
+    monkeypatch.setattr(JobStore, "ack_many", unreachable)
+    for _, message in got:
+        message.ack()  # the tasks finished while Redis was unreachable
+    # The claims stay held and renewed (no lapse, no stall, no second run) ...
+    assert keeper().owed_count() == 2
+    assert store.counts("q") == {"pending": 0, "active": 2, "dead": 0}
+    # ... and the keeper acks them once Redis answers again.
+    down[0] = False
+    deadline = time.monotonic() + 10
+    while store.counts("q")["active"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert store.counts("q") == {"pending": 0, "active": 0, "dead": 0}
+    assert keeper().owed_count() == keeper().held_count() == 0
+    assert store.metrics("q")["completed"] == 2
+
+
 def test_closing_keeps_a_claim_whose_task_started_elsewhere(
     connect: ConnFactory, store: JobStore
 ) -> None:
