@@ -12,6 +12,7 @@ from typing import Any
 from kombu.transport import TRANSPORT_ALIASES
 
 from .errors import (
+    BrokerFullError,
     EmqError,
     InvalidOptionError,
     InvalidQueueNameError,
@@ -22,6 +23,7 @@ from .morgue import DeadJob, Morgue
 from .options import EmqOptions
 
 __all__ = [
+    "BrokerFullError",
     "DeadJob",
     "EmqError",
     "EmqOptions",

@@ -31,6 +31,7 @@ from .errors import EmqError
 from .jobs import accepted_content
 from .morgue import DeadJob, Morgue
 from .options import EmqOptions
+from .server import check_server
 from .status import queue_status
 from .store import JobStore
 from .sweeper import Sweeper
@@ -148,10 +149,16 @@ def status(ctx: click.Context, as_json: bool) -> None:
     """Per queue: pending, active, delayed, dead, lanes, ages and counters."""
     with _opened(ctx) as (store, _options, _app):
         rows = [queue_status(store, q) for q in store.queues()]
+        try:
+            server: dict[str, Any] | None = check_server(store.client).as_dict()
+        except Exception:  # INFO refused: the queues still tell
+            server = None
+    said = [f"warning: {w}" for w in (server or {}).get("warnings", [])]
+    said += [f"note: {n}" for n in (server or {}).get("notes", [])]
 
     def human() -> str:
         if not rows:
-            return "no queues yet"
+            return "\n".join(["no queues yet", *said])
         return _table(
             [
                 (
@@ -182,9 +189,9 @@ def status(ctx: click.Context, as_json: bool) -> None:
                 "recovered",
                 "dead-lettered",
             ),
-        )
+        ) + "".join(f"\n{line}" for line in said)
 
-    _emit({"queues": rows}, as_json, human)
+    _emit({"queues": rows, "server": server}, as_json, human)
 
 
 def _pass(ctx: click.Context, queues: Sequence[str], as_json: bool, reap: bool) -> None:

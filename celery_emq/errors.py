@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from kombu.exceptions import OperationalError
+
 __all__ = [
+    "BrokerFullError",
     "EmqError",
     "InvalidOptionError",
     "InvalidQueueNameError",
@@ -30,6 +33,22 @@ class InvalidOptionError(EmqError, ValueError):
 
 class InvalidQueueNameError(EmqError, ValueError):
     """A queue name cannot be stored (it would not share one hash slot)."""
+
+
+class BrokerFullError(EmqError, OperationalError):
+    """Redis refused a publish: it reached ``maxmemory`` and evicts nothing.
+
+    Nothing of the job was written (a script is refused at its first write).
+    A kombu ``OperationalError`` too, so code that catches those still does.
+    """
+
+    def __init__(self, queue: str, detail: str) -> None:
+        self.queue = queue
+        super().__init__(
+            f"Redis refused the publish to queue {queue!r}: it is out of memory "
+            f"(maxmemory reached with maxmemory-policy noeviction); nothing was written. "
+            f"Drain or purge queues, or raise maxmemory. Redis said: {detail}"
+        )
 
 
 class ScriptContractError(EmqError):

@@ -22,9 +22,11 @@ from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 
+from .errors import BrokerFullError
 from .lease import Claim, keeper
 from .options import EmqOptions
 from .scripts import UNSET, Claimed, Outcome, Unset
+from .server import check_server
 from .store import JobStore
 from .sweeper import Sweeper, sweep_thread
 from .worker_state import (
@@ -216,6 +218,23 @@ class Channel(kombu_redis.Channel):
             self.store.note_expiring(queue)
             self._noted_expiring_at[queue] = now
 
+    def _check_server(self) -> None:
+        """Warn once per process and server of settings that can lose jobs."""
+        conninfo = self.connection.client
+        where = (conninfo.hostname, conninfo.port, conninfo.virtual_host)
+        if where in _checked_servers:
+            return
+        _checked_servers.add(where)
+        try:
+            check = check_server(self.store.client)
+        except Exception as exc:
+            logger.info("celery_emq: could not read the Redis server's settings: %r", exc)
+            return
+        for text in check.warnings:
+            logger.warning("celery_emq: %s", text)
+        for text in check.notes:
+            logger.info("celery_emq: %s", text)
+
     @property
     def owner(self) -> str:
         return keeper().owner
@@ -250,9 +269,12 @@ class Channel(kombu_redis.Channel):
         group = headers.get(GROUP_HEADER) or ""
         if not isinstance(group, str):
             group = str(group)
-        outcome = self.store.enqueue(
-            queue, job_id, dumps(message), priority, ttl_ms, max_stalled=budget, group=group
-        )
+        try:
+            outcome = self.store.enqueue(
+                queue, job_id, dumps(message), priority, ttl_ms, max_stalled=budget, group=group
+            )
+        except redis.exceptions.OutOfMemoryError as exc:
+            raise BrokerFullError(queue, str(exc)) from exc
         if outcome is Outcome.DUPLICATE:
             logger.debug("celery_emq: job %s already in %s; publish ignored", job_id, queue)
         if ttl_ms:
@@ -276,6 +298,7 @@ class Channel(kombu_redis.Channel):
             # A consuming process sweeps what it consumes: recovery needs no
             # other process.
             self._register(queue)
+            self._check_server()
             sweep_thread().watch(self.sweeper, queue)
         return ret
 
@@ -560,6 +583,9 @@ class Channel(kombu_redis.Channel):
             if not keeper().holds(self._store):
                 self._store_pool.disconnect()
 
+
+#: Servers this process has checked (host, port, db): one warning each.
+_checked_servers: set[tuple[Any, Any, Any]] = set()
 
 _ACK_OUTCOMES = {
     Outcome.LEASE_LOST: "the lease had lapsed; the job completed, so it was deleted from pending",
