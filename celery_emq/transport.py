@@ -51,6 +51,8 @@ BUDGET_OPTION = "emq_max_stalled"
 GROUP_HEADER = "emq_group"
 #: The reason a message whose content type the consumer refuses is dead-lettered with.
 CONTENT_DISALLOWED = "content_disallowed"
+#: Message property holding the job id chosen by the first attempt to publish it.
+JOB_ID_PROPERTY = "emq_job_id"
 #: How often a channel records again that a queue it publishes to or consumes is a
 #: task queue (the registry may have dropped it while it was empty).
 REGISTER_EVERY_S = 60.0
@@ -258,7 +260,12 @@ class Channel(kombu_redis.Channel):
 
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         props = message["properties"]
-        job_id = props.get("delivery_tag") or uuid.uuid4().hex
+        # kombu gives every publish attempt a new delivery tag, but a retry
+        # (after a connection error, when Redis may have run the first attempt)
+        # hands the same properties again: the job id of the first attempt
+        # stays, and the retry is a DUPLICATE, not a second job.
+        job_id = props.get(JOB_ID_PROPERTY) or props.get("delivery_tag") or uuid.uuid4().hex
+        props[JOB_ID_PROPERTY] = job_id
         props["delivery_tag"] = job_id
         priority = self._get_message_priority(message, reverse=False)
         ttl_ms = self._queue_ttl.get(queue, 0)
@@ -460,6 +467,9 @@ class Channel(kombu_redis.Channel):
             self._bury(tag, CONTENT_DISALLOWED, refused)
             return None
         props["delivery_tag"] = tag
+        # Only publish attempts share it: a message published again from what a
+        # consumer received is a new job.
+        props.pop(JOB_ID_PROPERTY, None)
         headers[CLAIM_HEADER] = [queue, job.id, job.deliveries]
         if BUDGET_OPTION not in headers:
             self._apply_task_budget(queue, job.id, headers.get("task"))

@@ -263,6 +263,41 @@ def test_an_ack_that_fails_keeps_the_claim_and_goes_through_later(
     assert store.metrics("q")["completed"] == 2
 
 
+def test_a_publish_retried_after_a_lost_reply_is_stored_once(
+    connect: ConnFactory, store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conn, q = connect(), queue()
+    enqueue = JobStore.enqueue
+    calls: list[str] = []
+
+    def reply_lost(self: JobStore, *args: Any, **kwargs: Any) -> Any:
+        calls.append(args[1])
+        outcome = enqueue(self, *args, **kwargs)
+        if len(calls) == 1:
+            # Redis ran the script, then the connection dropped before the reply.
+            raise redis.ConnectionError("connection reset by peer")
+        return outcome
+
+    monkeypatch.setattr(JobStore, "enqueue", reply_lost)
+    with conn.Producer() as producer:
+        producer.publish(
+            {"n": 1},
+            exchange=q.exchange,
+            routing_key="q",
+            declare=[q],
+            serializer="json",
+            retry=True,
+            retry_policy={"max_retries": 3, "interval_start": 0, "interval_step": 0},
+        )
+    # kombu published again on a fresh connection, under the same job id.
+    assert len(calls) == 2 and calls[0] == calls[1]
+    assert store.counts("q") == {"pending": 1, "active": 0, "dead": 0}
+    [(body, message)] = drain(conn, q, 1)
+    assert body == {"n": 1}
+    # Republishing what was received is a new job, not a duplicate of the first.
+    assert "emq_job_id" not in message.properties
+
+
 def test_closing_keeps_a_claim_whose_task_started_elsewhere(
     connect: ConnFactory, store: JobStore
 ) -> None:
