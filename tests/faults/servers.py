@@ -7,6 +7,7 @@ is read back).
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -18,7 +19,8 @@ from typing import Any
 
 import redis
 
-REDIS_SERVER = shutil.which("redis-server")
+#: The server binary: ``EMQ_REDIS_SERVER`` (another Redis, or Valkey) or the one on PATH.
+REDIS_SERVER = os.environ.get("EMQ_REDIS_SERVER") or shutil.which("redis-server")
 
 
 def free_port() -> int:
@@ -37,7 +39,7 @@ class RedisServer:
     """
 
     def __init__(self, workdir: Path, aof: bool = False, *extra: str) -> None:
-        assert REDIS_SERVER, "redis-server is not on PATH"
+        assert REDIS_SERVER, "no redis-server: put one on PATH or set EMQ_REDIS_SERVER"
         self.dir = workdir
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
