@@ -34,6 +34,7 @@ from .worker_state import (
     WORKER_LOST,
     install_worker_probes,
     pop_mark,
+    settled,
     started_delivery_tags,
 )
 
@@ -78,11 +79,13 @@ class QoS(kombu_redis.QoS):
         virtual.QoS.append(self, message, delivery_tag)
 
     def ack(self, delivery_tag: str) -> None:
+        settled(delivery_tag)
         if not self._settle_marked(delivery_tag):
             self.channel._settle(delivery_tag)
         virtual.QoS.ack(self, delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        settled(delivery_tag)
         if not self._settle_marked(delivery_tag):
             if requeue:
                 self.channel._release(delivery_tag)

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-__all__ = ["Mark", "install_worker_probes", "pop_mark", "started_delivery_tags"]
+__all__ = ["Mark", "install_worker_probes", "pop_mark", "settled", "started_delivery_tags"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,23 +41,38 @@ _marks: OrderedDict[str, Mark] = OrderedDict()
 _marks_lock = threading.Lock()
 _MARKS_MAX = 10_000
 
+#: Delivery tags handed to a pool that runs whatever it was handed (threads,
+#: solo, gevent, eventlet): such a task runs even when the channel closes before
+#: it starts, so its claim must stay held. Removed when the delivery is settled.
+_submitted: set[str] = set()
+_submitted_lock = threading.Lock()
+
 
 def started_delivery_tags() -> set[str]:
-    """Return the delivery tags of tasks this worker process has started.
+    """Return the delivery tags of tasks this worker process has started, or will.
 
-    Empty outside a Celery worker. Read from ``celery.worker.state`` only when
-    that module is already loaded, so a plain kombu client pays nothing.
+    Started: Celery's active requests. Will start: handed to a pool that runs
+    what it was handed whatever happens to the channel. Empty outside a Celery
+    worker. Read from ``celery.worker.state`` only when that module is already
+    loaded, so a plain kombu client pays nothing.
     """
     state = sys.modules.get("celery.worker.state")
     if state is None:
         return set()
-    tags: set[str] = set()
+    with _submitted_lock:
+        tags = set(_submitted)
     for request in list(getattr(state, "active_requests", ())):
         message = getattr(request, "message", None)
         tag = getattr(message, "delivery_tag", None)
         if tag is not None:
             tags.add(tag)
     return tags
+
+
+def settled(tag: str) -> None:
+    """Forget a delivery handed to the pool: it was acked or rejected."""
+    with _submitted_lock:
+        _submitted.discard(tag)
 
 
 def pop_mark(tag: str) -> Mark | None:
@@ -131,6 +146,42 @@ def install_worker_probes() -> None:
     )
     _install_worker_lost_probe()
     _install_start_recorder()
+    _install_submit_probe()
+
+
+def _install_submit_probe() -> None:
+    """Note the deliveries handed to a pool that will run them come what may.
+
+    Celery's threads pool queues what it is handed in its executor, and gevent
+    and eventlet spawn it: when the connection drops, Celery cancels none of it,
+    so those tasks still run, on the claims they were delivered with. The
+    prefork pool drops what it had not yet written to a child (``flush``), and
+    a child that started a task records the start itself. Every pool is handed
+    a task through ``apply_async`` with the request's ``on_accepted`` callback.
+    """
+    from celery.concurrency.base import BasePool
+
+    original = BasePool.apply_async
+    if getattr(original, "_emq_probe", False):
+        return
+
+    def apply_async(self: Any, target: Any, *args: Any, **options: Any) -> Any:
+        request = getattr(options.get("accept_callback"), "__self__", None)
+        tag = getattr(getattr(request, "message", None), "delivery_tag", None)
+        tag = tag if isinstance(tag, str) else ""
+        keeps = bool(tag) and not type(self).__module__.startswith("celery.concurrency.prefork")
+        if keeps:
+            with _submitted_lock:
+                _submitted.add(tag)
+        try:
+            return original(self, target, *args, **options)
+        except BaseException:
+            if keeps:
+                settled(tag)
+            raise
+
+    apply_async._emq_probe = True  # type: ignore[attr-defined]
+    BasePool.apply_async = apply_async
 
 
 def _install_worker_lost_probe() -> None:

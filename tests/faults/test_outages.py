@@ -247,3 +247,34 @@ def test_a_pause_longer_than_two_leases_is_not_a_stall(
     assert (metrics["stalled"], metrics["recovered"], metrics["failed"]) == (0, 0, 0), metrics
     assert all(w.proc.poll() is None for w in workers)
     capp.close()
+
+
+def test_a_threads_worker_runs_what_it_had_queued_once_across_a_restart(
+    redis_server: Callable[..., RedisServer],
+    fault_worker: Callable[..., Worker],
+    client: redis.Redis,
+    prefix: str,
+    redis_url: str,
+) -> None:
+    # One thread, four prefetched: three deliveries wait in the pool's executor
+    # behind a running task when Redis goes away. Celery cancels none of them.
+    broker = redis_server(aof=True)
+    worker = fault_worker(broker, "-P", "threads", "-c", "1", name="t", **ENV)
+    capp = client_app(broker.url, prefix, LEASE_MS, ledger=redis_url)
+    publish(capp, ["long"], 4)
+    wait_for(lambda: runs(client, prefix).get("long") == 1, 30)
+    queued = [f"q{i}" for i in range(3)]
+    publish(capp, queued, 0.1)
+    time.sleep(0.5)  # claimed and handed to the executor
+    broker.stop()
+    time.sleep(2 * LEASE_MS / 1000)
+    broker.start()
+    wait_for(lambda: done(client, prefix) == {"long", *queued}, 60)
+    time.sleep(2 * LEASE_MS / 1000)  # a second run would show by now
+    twice = {t: n for t, n in runs(client, prefix).items() if n != 1}
+    assert twice == {}, f"ran more than once: {explain(client, prefix, list(twice))}"
+    store = JobStore(broker.client(), prefix + "emq", LEASE_MS)
+    settle(store)
+    assert store.metrics("celery")["stalled"] == 0
+    assert worker.proc.poll() is None
+    capp.close()
