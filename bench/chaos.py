@@ -700,6 +700,7 @@ def report(result: dict[str, Any]) -> str:
         ),
         ("  publish retry", str(why["publish_retry"])),
         ("  UNEXPLAINED", str(why["unexplained"])),
+        ("reruns on an older claim", str(v["reruns_on_an_older_claim"])),
         ("concurrent runs of a job", str(v["concurrent_runs"])),
         (
             "most runs per task",

@@ -137,6 +137,13 @@ def _kill_hits(kill: Kill, run: Run) -> bool:
     return kill.worker == run.worker and (kill.kind == "worker" or kill.pid == run.pid)
 
 
+def _older(run: Run, than: Run) -> bool:
+    """Whether ``run`` ran on an older claim of the same job than ``than``."""
+    if run.job != than.job or run.token is None or than.token is None:
+        return False
+    return run.token < than.token
+
+
 def explain(
     run: Run,
     next_run: Run,
@@ -209,6 +216,9 @@ def judge(
                     "task": task,
                     "explanation": causes[0] if causes else UNEXPLAINED,
                     "causes": causes,
+                    # The rerun ran on a claim older than the completed run's:
+                    # a delivery its worker still ran after the job was claimed again.
+                    "older_claim": _older(nxt, r),
                     "run": asdict(r),
                     "next_run": asdict(nxt),
                 }
@@ -234,6 +244,7 @@ def judge(
             1 for d in reruns if REDIS_RESTART in d["causes"]
         ),
         "concurrent_runs": concurrent,
+        "reruns_on_an_older_claim": sum(1 for d in reruns if d["older_claim"]),
         "most_runs_per_task": max((len(rs) for rs in by_task.values()), default=0),
         "most_completed_runs_per_task": max(completed_per_task.values(), default=0),
         "runs_of_unpublished_tasks": sum(1 for t in by_task if t not in published),

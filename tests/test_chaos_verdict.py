@@ -112,3 +112,17 @@ def test_the_ledger_reads_lines_split_across_reads(tmp_path: Path) -> None:
     assert ledger.runs["r1"].end == 2.0
     assert ledger.completed == {"a"}
     assert ledger.bad_lines == 0
+
+
+def test_a_rerun_on_an_older_claim_is_flagged() -> None:
+    newer = Run("a", "r2", 1.0, 100, "w1.1@chaos", "j1", 2, 0, 1.1)
+    older = Run("a", "r1", 2.0, 200, "w2.1@chaos", "j1", 1, 0, 2.1)
+    v = judge({"a": 1}, [newer, older], [], [])
+    assert v["reruns_on_an_older_claim"] == 1
+    assert v["rerun_details"][0]["older_claim"] is True
+    assert (
+        judge({"a": 1}, [run("a", 1.0, 1.1), run("a", 2.0, 2.1)], [], [])[
+            "reruns_on_an_older_claim"
+        ]
+        == 0
+    )
