@@ -1,0 +1,128 @@
+"""The chaos run's verdict: what counts as lost, as a duplicate, and what explains a rerun."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.chaos_verdict import Kill, Ledger, Restart, Run, judge
+
+
+def run(
+    task: str,
+    start: float,
+    end: float | None,
+    worker: str = "w1.1@chaos",
+    pid: int = 100,
+    job: str = "j1",
+    name: str = "",
+) -> Run:
+    return Run(task, name or f"{task}-{start}", start, pid, worker, job, 1, 0, end)
+
+
+def test_a_task_with_no_completed_run_is_lost() -> None:
+    runs = [run("a", 1.0, 1.1), run("b", 1.0, None)]
+    v = judge({"a": 1, "b": 1, "c": 1}, runs, [], [])
+    assert v["lost_tasks"] == ["b", "c"]
+    assert v["completed"] == 1
+    assert v["runs_interrupted"] == 1
+
+
+def test_a_killed_run_then_a_completed_one_is_no_duplicate() -> None:
+    runs = [run("a", 1.0, None), run("a", 5.0, 5.1)]
+    v = judge({"a": 1}, runs, [], [])
+    assert v["lost"] == 0
+    assert v["duplicated_tasks"] == 0
+    assert v["reruns"] == 0
+    assert v["most_runs_per_task"] == 2
+
+
+def test_a_rerun_with_nothing_to_explain_it_is_unexplained() -> None:
+    runs = [run("a", 1.0, 1.1), run("a", 5.0, 5.1)]
+    # A kill of another pool child of the same worker, and of another worker.
+    kills = [
+        Kill(1.05, 1.05, "child", "w1.1@chaos", 999),
+        Kill(1.05, 1.05, "worker", "w2.1@chaos", 200),
+    ]
+    v = judge({"a": 1}, runs, kills, [Restart(6.0, 7.0)])
+    assert v["duplicated_tasks"] == 1
+    assert v["extra_completions"] == 1
+    assert v["unexplained_reruns"] == 1
+    assert v["rerun_details"][0]["causes"] == []
+
+
+def test_a_kill_of_the_process_explains_the_rerun() -> None:
+    runs = [run("a", 1.0, 1.1), run("a", 5.0, 5.1)]
+    during = judge({"a": 1}, runs, [Kill(1.05, 1.06, "child", "w1.1@chaos", 100)], [])
+    assert during["rerun_details"][0]["explanation"] == "kill_while_running"
+    after = judge({"a": 1}, runs, [Kill(2.0, 2.0, "worker", "w1.1@chaos", 1)], [])
+    assert after["rerun_details"][0]["explanation"] == "kill_before_ack"
+    assert after["unexplained_reruns"] == 0
+    # A kill after the rerun started explains nothing.
+    late = judge({"a": 1}, runs, [Kill(5.01, 5.02, "worker", "w1.1@chaos", 1)], [])
+    assert late["unexplained_reruns"] == 1
+
+
+def test_a_redis_restart_between_the_runs_explains_the_rerun() -> None:
+    runs = [run("a", 1.0, 1.1), run("a", 5.0, 5.1)]
+    v = judge({"a": 1}, runs, [], [Restart(0.5, 1.02)])
+    assert v["rerun_details"][0]["causes"] == ["redis_restart"]
+    assert v["reruns_a_redis_restart_may_explain"] == 1
+    before = judge({"a": 1}, runs, [], [Restart(0.1, 0.9)])
+    assert before["unexplained_reruns"] == 1
+
+
+def test_a_second_message_is_explained_only_by_a_retried_publish() -> None:
+    runs = [run("a", 1.0, 1.1, job="j1"), run("a", 1.5, 1.6, job="j2")]
+    once = judge({"a": 1}, runs, [], [])
+    assert once["unexplained_reruns"] == 1
+    retried = judge({"a": 2}, runs, [], [])
+    assert retried["rerun_details"][0]["explanation"] == "publish_retry"
+    assert retried["duplicated_tasks"] == 1
+
+
+def test_a_rerun_that_overlaps_its_completed_run_is_counted_concurrent() -> None:
+    runs = [run("a", 1.0, 3.0), run("a", 2.0, 2.5, worker="w2.1@chaos")]
+    v = judge({"a": 1}, runs, [], [])
+    assert v["concurrent_runs"] == 1
+    assert v["unexplained_reruns"] == 1
+
+
+def test_the_ledger_reads_lines_split_across_reads(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.jsonl"
+    start = {
+        "e": "S",
+        "task": "a",
+        "run": "r1",
+        "t": 1.0,
+        "pid": 7,
+        "worker": "w",
+        "job": "j",
+        "token": 1,
+        "stalled": 0,
+    }
+    line = (json.dumps(start) + "\n").encode()
+    path.write_bytes(line[:10])
+    ledger = Ledger(path)
+    ledger.poll()
+    assert ledger.runs == {}
+    with open(path, "ab") as fh:
+        fh.write(line[10:] + b'{"e":"E","task":"a","run":"r1","t":2.0}\n')
+    ledger.poll()
+    assert ledger.runs["r1"].end == 2.0
+    assert ledger.completed == {"a"}
+    assert ledger.bad_lines == 0
+
+
+def test_a_rerun_on_an_older_claim_is_flagged() -> None:
+    newer = Run("a", "r2", 1.0, 100, "w1.1@chaos", "j1", 2, 0, 1.1)
+    older = Run("a", "r1", 2.0, 200, "w2.1@chaos", "j1", 1, 0, 2.1)
+    v = judge({"a": 1}, [newer, older], [], [])
+    assert v["reruns_on_an_older_claim"] == 1
+    assert v["rerun_details"][0]["older_claim"] is True
+    assert (
+        judge({"a": 1}, [run("a", 1.0, 1.1), run("a", 2.0, 2.1)], [], [])[
+            "reruns_on_an_older_claim"
+        ]
+        == 0
+    )
