@@ -206,19 +206,26 @@ def test_a_task_that_kills_its_worker_is_dead_lettered_after_its_budget(
 BLOCKED = [("threads", "gil"), ("solo", "gil"), ("gevent", "hub"), ("eventlet", "hub")]
 
 
-def first_claim_deadlines(client: redis.Redis, store: JobStore, job_id: str) -> float:
-    """Return the last lease deadline (s) of the job's first claim, seen until it ends."""
+def last_deadline_of_first_claim(
+    client: redis.Redis, store: JobStore, job_id: str, timeout: float = 30
+) -> float:
+    """Return the last lease deadline (s) of the job's first claim, watched until it ends."""
     k = store.keys("celery")
     last_ms = 0.0
-    while True:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         with client.pipeline() as pipe:  # one MULTI: the deadline and the claim it belongs to
             deadline_ms, token = (
                 pipe.zscore(k.active, job_id).hget(k.job(job_id), "deliveries").execute()
             )
         if deadline_ms is None or token != b"1":
-            return last_ms / 1000
+            break
         last_ms = deadline_ms
         time.sleep(0.05)
+    else:
+        raise AssertionError(f"the first claim of {job_id} still held after {timeout} s")
+    assert last_ms, "the first claim ended before it was seen"
+    return last_ms / 1000
 
 
 @pytest.mark.parametrize(("pool", "how"), BLOCKED)
@@ -238,7 +245,7 @@ def test_where_a_pool_cannot_renew_the_lease_lapses_and_a_survivor_runs_the_job_
     blocked = workers[node(texts(client, prefix + "ran-on:b")[0])]
     [survivor] = [w for w in workers.values() if w is not blocked]
     [job_id] = [j.decode() for j in client.zrange(store.keys("celery").active, 0, -1)]
-    lapsed_at = first_claim_deadlines(client, store, job_id)
+    lapsed_at = last_deadline_of_first_claim(client, store, job_id)
     wait_for(lambda: client.llen(prefix + "ran-on:b") == 2, 20)
     [block_began, rerun_at] = times(client, prefix + "started:b")
     lapse_s, rerun_s = lapsed_at - block_began, rerun_at - block_began
