@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -106,6 +107,8 @@ class LeaseKeeper:
         self._interval_ms: int | None = None
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        #: When the last renewal pass that succeeded began (monotonic seconds).
+        self._renewed_at: float | None = None
         self.renewals = 0
 
     def hold(
@@ -224,6 +227,7 @@ class LeaseKeeper:
 
     def renew_once(self, now_ms: int | None = None) -> list[str]:
         """Renew every held lease now; return the delivery tags newly found lost."""
+        began = time.monotonic()
         groups: dict[tuple[int, str], tuple[JobStore, list[tuple[str, int]]]] = {}
         with self._lock:
             for tag, claim in self._held.items():
@@ -236,6 +240,7 @@ class LeaseKeeper:
         lost: list[str] = []
         for (_, queue), (store, claims) in groups.items():
             lost.extend(delivery_tag(*c) for c in store.extend(queue, claims, now_ms=now_ms))
+        self._renewed_at = began
         self.renewals += 1
         if lost:
             with self._lock:
@@ -247,6 +252,23 @@ class LeaseKeeper:
                 ", ".join(lost[:10]),
             )
         return lost
+
+    def renew_if_overdue(self, now_ms: int | None = None) -> list[str]:
+        """Renew every held lease unless a pass succeeded within the renewal interval.
+
+        The sweep thread calls this before it sweeps. When every thread of the
+        process was held up for longer than a lease (a C call that keeps the
+        GIL, a greenlet that blocks the gevent or eventlet hub), the sweep may
+        run again before this keeper does: renewing first means a process never
+        counts a stall against a claim it holds itself. Returns the delivery
+        tags newly found lost, as :meth:`renew_once` does.
+        """
+        renewed_at = self._renewed_at
+        if not self._held or (
+            renewed_at is not None and time.monotonic() - renewed_at < self.interval_ms / 1000
+        ):
+            return []
+        return self.renew_once(now_ms)
 
     def _run(self) -> None:
         failures = 0

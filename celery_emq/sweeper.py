@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from typing import Any
 
+from . import lease
 from .errors import StalledJobError
 from .jobs import JobInfo, accepted_content, describe
 from .options import EmqOptions
@@ -306,9 +307,24 @@ class SweepThread:
                 del self._queues[key]
 
     def run_once(self, now_ms: int | None = None) -> list[SweepReport]:
-        """Sweep every watched queue once, then expire unused ``x-expires`` queues."""
+        """Sweep every watched queue once, then expire unused ``x-expires`` queues.
+
+        The leases this process holds are renewed first if their renewal is
+        overdue (see :meth:`LeaseKeeper.renew_if_overdue`): a process that was
+        held up longer than a lease counts no stall against its own live claims.
+        If they cannot be renewed, the pass is skipped.
+        """
         with self._lock:
             targets = list(self._queues.values())
+        if not targets:
+            return []
+        try:
+            lease.keeper().renew_if_overdue(now_ms)
+        except Exception:
+            logger.exception(
+                "celery_emq: could not renew this process's leases; sweep skipped until next pass"
+            )
+            return []
         reports = []
         stores: dict[int, Sweeper] = {}
         for sweeper, queue in targets:

@@ -9,13 +9,14 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_emq import EmqOptions, StalledJobError
+from celery_emq import EmqOptions, StalledJobError, lease
 from celery_emq.jobs import JobInfo
+from celery_emq.lease import delivery_tag
 from celery_emq.scripts import Outcome
 from celery_emq.signals import job_dead_lettered, job_recovered, job_stalled
 from celery_emq.store import JobStore
-from celery_emq.sweeper import Sweeper
-from tests.conftest import sweeps_ran_until
+from celery_emq.sweeper import Sweeper, SweepThread
+from tests.conftest import ManualKeeper, sweeps_ran_until
 
 
 @pytest.fixture
@@ -141,3 +142,58 @@ def test_malformed_job_is_described_not_raised() -> None:
     info = describe(b"{not json", "q", "id1", 2, "lease_expired")
     assert info.task_name is None
     assert info.decode_error is not None and "JSONDecodeError" in info.decode_error
+
+
+def test_a_sweep_renews_its_own_processs_claims_before_it_counts_stalls(
+    app: Celery,
+    client: redis.Redis,
+    prefix: str,
+    captured: dict[str, list[JobInfo]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every thread of a process can be held up longer than a lease: a C call that
+    # keeps the GIL, a greenlet that blocks a gevent hub. When the process runs
+    # again its sweep thread may get there before its lease keeper. The claims
+    # the process holds are alive, so its own sweep must not count them stalled.
+    store = JobStore(client, prefix + "emq", 5000)
+    _, theirs = lapse_one(app, store, 1000)
+    _, mine = lapse_one(app, store, 1000)
+    keeper = ManualKeeper("me")  # renews only when asked: it never ran
+    monkeypatch.setattr(lease, "_keeper", keeper)  # the process-wide keeper
+    keeper.hold(store, "celery", [(mine, 1)], interval_ms=1000)
+    sweeps = SweepThread()
+    sweeps.watch(Sweeper(store, EmqOptions(sweep_interval_s=3600), app=app), "celery")
+    later = 1000 + 3 * store.lease_ms
+    [report] = sweeps.run_once(now_ms=later)
+    assert (report.recovered, report.dead, report.requeued) == ([theirs], [], [])
+    assert [j.id for j in captured["stalled"]] == [theirs]
+    row = store.job("celery", mine)
+    assert (row["state"], row["stalled"]) == ("active", "0")
+    assert client.zscore(store.keys("celery").active, mine) == later + store.lease_ms
+    assert not keeper.is_lost(delivery_tag(mine, 1))
+
+
+def test_a_sweep_skips_its_pass_when_its_own_claims_cannot_be_renewed(
+    app: Celery,
+    client: redis.Redis,
+    prefix: str,
+    captured: dict[str, list[JobInfo]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store = JobStore(client, prefix + "emq", 5000)
+    _, theirs = lapse_one(app, store, 1000)
+    _, mine = lapse_one(app, store, 1000)
+
+    class Failing(ManualKeeper):
+        def renew_once(self, now_ms: int | None = None) -> list[str]:
+            raise redis.ConnectionError("renewal failed")
+
+    keeper = Failing("me")
+    monkeypatch.setattr(lease, "_keeper", keeper)
+    keeper.hold(store, "celery", [(mine, 1)], interval_ms=1000)
+    sweeps = SweepThread()
+    sweeps.watch(Sweeper(store, EmqOptions(sweep_interval_s=3600), app=app), "celery")
+    assert sweeps.run_once(now_ms=1000 + 3 * store.lease_ms) == []
+    assert captured["stalled"] == []
+    assert store.job("celery", mine)["stalled"] == "0"
+    assert store.job("celery", theirs)["stalled"] == "0"

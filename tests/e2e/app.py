@@ -190,3 +190,57 @@ def poison_until_cured(self: Any, tag: str) -> str:
 @job_dead_lettered.connect
 def _count_dead_letters(sender: Any, job: JobInfo, **kwargs: Any) -> None:
     rec().hincrby(PREFIX + "dead-signals", f"{job.task_name}:{job.task_id}:{job.reason}", 1)
+
+
+# -- Pools: tasks that stop a worker's lease keeper, and where they ran ----------
+
+
+def _hold_gil(seconds: float) -> None:
+    """Block in a C call that keeps the GIL: no other thread of the process runs.
+
+    ``ctypes.PyDLL`` calls do not release the GIL, so libc's ``usleep`` through it
+    stands in for a long C extension call that never lets go of it.
+    """
+    import ctypes
+
+    ctypes.PyDLL(None).usleep(int(seconds * 1_000_000))
+
+
+def _block_hub(seconds: float) -> None:
+    """Block the whole process in the unpatched ``time.sleep``: no greenlet runs.
+
+    Under gevent or eventlet this is what a greenlet that never yields does (a
+    blocking call their monkey-patching does not cover); elsewhere it is a sleep.
+    """
+    if "gevent" in sys.modules:
+        from gevent import monkey
+
+        monkey.get_original("time", "sleep")(seconds)
+    elif "eventlet" in sys.modules:
+        from eventlet import patcher
+
+        patcher.original("time").sleep(seconds)
+    else:
+        time.sleep(seconds)
+
+
+BLOCKERS = {"gil": _hold_gil, "hub": _block_hub, "sleep": time.sleep}
+
+
+@app.task(bind=True)
+def block_first_run(self: Any, seconds: float, tag: str, how: str) -> str:
+    """Block for ``seconds`` (as ``BLOCKERS[how]`` does) on the first run only.
+
+    Records each run's start (``started:<tag>``) and worker (``ran-on:<tag>``),
+    and when the block ended (``unblocked:<tag>``).
+    """
+    n = note_run(tag)
+    rec().rpush(PREFIX + "ran-on:" + tag, self.request.hostname)
+    if n == 1:
+        BLOCKERS[how](seconds)
+        rec().rpush(PREFIX + "unblocked:" + tag, repr(time.time()))
+    pipe = rec().pipeline()
+    pipe.rpush(PREFIX + "done", tag)
+    pipe.rpush(PREFIX + "done-on:" + tag, self.request.hostname)
+    pipe.execute()
+    return tag
