@@ -1,9 +1,10 @@
-"""What the supported kombu releases (5.4 to 5.7) do differently, in one place.
+"""What the supported Celery and kombu releases (5.4 to 5.7) do differently, in one place.
 
 The transport's channel subclasses kombu's Redis ``Channel`` and leans on a few
 of its attributes that only recent kombu has. :class:`ChannelCompat` comes
 first in the channel's bases and gives each of them the kombu 5.7 behaviour on
-every supported release.
+every supported release. :func:`keep_started_jobs_on_flush` mends a Celery
+worker before 5.6.3 that forgets its running tasks on a broker reconnect.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 from kombu.transport import redis as kombu_redis
 from kombu.transport.base import to_rabbitmq_queue_arguments
 
-__all__ = ["ChannelCompat"]
+__all__ = ["ChannelCompat", "keep_started_jobs_on_flush"]
 
 _KOMBU_OPTIONS: tuple[str, ...] = tuple(kombu_redis.Channel.from_transport_options)
 
@@ -60,3 +61,37 @@ class ChannelCompat:
         flush = getattr(super(), "_flush_brpop_reauth", None)
         if flush is not None:
             flush()
+
+
+def keep_started_jobs_on_flush() -> None:
+    """Keep the prefork pool's started jobs when the worker's broker connection drops.
+
+    Before Celery 5.6.3 the worker empties the prefork pool's job table when it
+    loses its broker connection (``AsynPool.flush``), running jobs included. A
+    task already running in a child then finishes unseen by the worker, which
+    never acks it: under kombu's ``redis://`` the message was requeued at the
+    reconnect and runs twice; here its claim, kept for the running task, would
+    stay leased for ever. Celery 5.6.3 keeps the jobs a child has accepted
+    (started) and discards only the others; this does the same on older Celery.
+    Installed once per process; a no-op from Celery 5.6.3 on.
+    """
+    import celery
+
+    if tuple(celery.VERSION[:3]) >= (5, 6, 3):
+        return
+    from celery.concurrency.asynpool import AsynPool
+
+    flush = AsynPool.flush
+    if getattr(flush, "_emq_compat", False):
+        return
+
+    def flush_keeping_started(self: Any) -> Any:
+        started = {key: job for key, job in self._cache.items() if job._accepted}
+        try:
+            return flush(self)
+        finally:
+            for key, job in started.items():
+                self._cache.setdefault(key, job)
+
+    flush_keeping_started._emq_compat = True  # type: ignore[attr-defined]
+    AsynPool.flush = flush_keeping_started
