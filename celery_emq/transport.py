@@ -22,6 +22,7 @@ from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 
+from ._compat import ChannelCompat
 from .errors import BrokerFullError
 from .lease import Claim, keeper
 from .options import EmqOptions
@@ -131,7 +132,7 @@ class QoS(kombu_redis.QoS):
         """Do nothing: lapsed leases are recovered by the reaper and sweep."""
 
 
-class Channel(kombu_redis.Channel):
+class Channel(ChannelCompat, kombu_redis.Channel):
     """A kombu Redis channel whose task queues live in the leased job store."""
 
     QoS = QoS

@@ -18,6 +18,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from ._compat import keep_started_jobs_on_flush
+
 __all__ = ["Mark", "install_worker_probes", "pop_mark", "settled", "started_delivery_tags"]
 
 logger = logging.getLogger(__name__)
@@ -147,6 +149,7 @@ def install_worker_probes() -> None:
     _install_worker_lost_probe()
     _install_start_recorder()
     _install_submit_probe()
+    keep_started_jobs_on_flush()
 
 
 def _install_submit_probe() -> None:

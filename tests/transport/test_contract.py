@@ -461,9 +461,12 @@ def test_lease_survives_a_dropped_connection(
     publish(conn, q, ["x"])
     [(_, message)] = drain(conn, q, 1, ack=False)
     # Drop every connection of this client, as a broker hiccup would.
+    dropped = 0
     for c in client.client_list():
         if c.get("name") == "emq-contract-drop":
             client.client_kill_filter(_id=c["id"])
+            dropped += 1
+    assert dropped >= 1, "client_name names no connection"
     time.sleep(2.5)
     row = store.job("q", job_id(message))
     assert row["state"] == "active"

@@ -1,0 +1,97 @@
+"""What the supported Celery and kombu releases (5.4 to 5.7) do differently, in one place.
+
+The transport's channel subclasses kombu's Redis ``Channel`` and leans on a few
+of its attributes that only recent kombu has. :class:`ChannelCompat` comes
+first in the channel's bases and gives each of them the kombu 5.7 behaviour on
+every supported release. :func:`keep_started_jobs_on_flush` mends a Celery
+worker before 5.6.3 that forgets its running tasks on a broker reconnect.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kombu.transport import redis as kombu_redis
+from kombu.transport.base import to_rabbitmq_queue_arguments
+
+__all__ = ["ChannelCompat", "keep_started_jobs_on_flush"]
+
+_KOMBU_OPTIONS: tuple[str, ...] = tuple(kombu_redis.Channel.from_transport_options)
+
+
+class ChannelCompat:
+    """kombu 5.7's Redis channel behaviour that older kombu lacks."""
+
+    #: The BRPOP wait in seconds. kombu 5.6 and later set it on each channel
+    #: (from the transport's ``polling_interval``), hiding this default; kombu
+    #: 5.4 and 5.5 always wait 1 s.
+    brpop_timeout: Any = 1
+
+    #: The name each of the channel's connections gives itself (``CLIENT
+    #: SETNAME``), from the ``client_name`` transport option. kombu 5.6 added
+    #: the option; kombu 5.4 and 5.5 ignore it.
+    client_name: Any = None
+    from_transport_options: Any = _KOMBU_OPTIONS + (
+        () if "client_name" in _KOMBU_OPTIONS else ("client_name",)
+    )
+
+    def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
+        """kombu's connection parameters, with ``client_name`` where kombu leaves it out."""
+        parent: Any = super()
+        params: dict[str, Any] = parent._connparams(asynchronous)
+        if self.client_name is not None:
+            params.setdefault("client_name", self.client_name)
+        return params
+
+    def prepare_queue_arguments(self, arguments: Any, **kwargs: Any) -> Any:
+        """Turn a queue's ``expires``/``message_ttl``/... into ``x-*`` declare arguments.
+
+        kombu 5.7's Redis channel does this; before it, kombu's virtual channels
+        dropped these options, so ``Queue(expires=...)`` (Celery's reply and
+        event queues) declared a queue that never expired.
+        """
+        return to_rabbitmq_queue_arguments(arguments, **kwargs)
+
+    def _flush_brpop_reauth(self) -> None:
+        """Send a pending streaming re-auth on the idle BRPOP connection.
+
+        kombu 5.7 does this; older kombu does no streaming re-authentication,
+        so there is nothing to send.
+        """
+        flush = getattr(super(), "_flush_brpop_reauth", None)
+        if flush is not None:
+            flush()
+
+
+def keep_started_jobs_on_flush() -> None:
+    """Keep the prefork pool's started jobs when the worker's broker connection drops.
+
+    Before Celery 5.6.3 the worker empties the prefork pool's job table when it
+    loses its broker connection (``AsynPool.flush``), running jobs included. A
+    task already running in a child then finishes unseen by the worker, which
+    never acks it: under kombu's ``redis://`` the message was requeued at the
+    reconnect and runs twice; here its claim, kept for the running task, would
+    stay leased for ever. Celery 5.6.3 keeps the jobs a child has accepted
+    (started) and discards only the others; this does the same on older Celery.
+    Installed once per process; a no-op from Celery 5.6.3 on.
+    """
+    import celery
+
+    if tuple(celery.VERSION[:3]) >= (5, 6, 3):
+        return
+    from celery.concurrency.asynpool import AsynPool
+
+    flush = AsynPool.flush
+    if getattr(flush, "_emq_compat", False):
+        return
+
+    def flush_keeping_started(self: Any) -> Any:
+        started = {key: job for key, job in self._cache.items() if job._accepted}
+        try:
+            return flush(self)
+        finally:
+            for key, job in started.items():
+                self._cache.setdefault(key, job)
+
+    flush_keeping_started._emq_compat = True  # type: ignore[attr-defined]
+    AsynPool.flush = flush_keeping_started
