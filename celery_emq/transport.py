@@ -284,8 +284,11 @@ class Channel(ChannelCompat, kombu_redis.Channel):
             outcome = self.store.enqueue(
                 queue, job_id, dumps(message), priority, ttl_ms, max_stalled=budget, group=group
             )
-        except redis.exceptions.OutOfMemoryError as exc:
-            raise BrokerFullError(queue, str(exc)) from exc
+        except redis.ResponseError as exc:
+            # Redis 7 answers OOM; Redis 6.2 wraps it in a script error.
+            if "OOM command not allowed" in str(exc):
+                raise BrokerFullError(queue, str(exc)) from exc
+            raise
         if outcome is Outcome.DUPLICATE:
             logger.debug("celery_emq: job %s already in %s; publish ignored", job_id, queue)
         if ttl_ms:
