@@ -286,7 +286,7 @@ class Channel(ChannelCompat, kombu_redis.Channel):
             )
         except redis.ResponseError as exc:
             # Redis 7 answers OOM; Redis 6.2 wraps it in a script error.
-            if "OOM command not allowed" in str(exc):
+            if isinstance(exc, redis.exceptions.OutOfMemoryError) or "OOM command" in str(exc):
                 raise BrokerFullError(queue, str(exc)) from exc
             raise
         if outcome is Outcome.DUPLICATE:

@@ -36,7 +36,7 @@ def test_lease_renewal_survives_a_half_open_connection(redis_url: str, prefix: s
         keeper = LeaseKeeper("half-open-test")
         store.enqueue("q", "j", b"{}")
         [job] = store.claim("q", keeper.owner)
-        keeper.hold(store, "q", [(job.id, job.deliveries)], channel.emq.renew_interval_ms)
+        [tag] = keeper.hold(store, "q", [(job.id, job.deliveries)], channel.emq.renew_interval_ms)
         time.sleep(1.5)  # the keeper's connection is open and in use
         assert proxy.freeze() >= 1
         frozen_at = time.monotonic()
@@ -50,6 +50,7 @@ def test_lease_renewal_survives_a_half_open_connection(redis_url: str, prefix: s
         print(f"\nclosest the lease came to lapsing: {closest_ms} ms before its deadline")
         assert closest_ms > 0, "the lease lapsed while its worker lived"
         assert keeper.renewals > renewals
+        keeper.forget(tag)  # its thread goes idle: nothing left to renew
     finally:
         conn.release()
         proxy.close()
