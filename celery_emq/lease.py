@@ -104,6 +104,10 @@ class LeaseKeeper:
         # Claims whose task finished but whose ack could not reach Redis: still
         # renewed, and acked again on every pass until one gets through.
         self._owed: set[str] = set()
+        # Claims kept at a channel close because a pool process had started
+        # their task, though this worker had not heard of it (when): see
+        # let_go_of_orphans.
+        self._unseen: dict[str, float] = {}
         self._interval_ms: int | None = None
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -181,13 +185,15 @@ class LeaseKeeper:
             logger.info("celery_emq: %d deferred ack(s) went through", settled)
         return settled
 
-    def release(self, tag: str, unless_started: bool = False) -> None:
+    def release(self, tag: str, unless_started: bool = False, unseen: bool = False) -> None:
         """Put a held claim back at the front of its queue, uncounted.
 
         The claim is forgotten first, so a release that fails (Redis
         unreachable) leaves nothing renewed for ever: its lease lapses and the
         sweep puts the job back. With ``unless_started``, a claim whose task
-        has started stays held, renewed until its task settles it.
+        has started stays held, renewed until its task settles it; ``unseen``
+        says the worker had not heard that it started (see
+        :meth:`let_go_of_orphans`).
         """
         claim = self.forget(tag)
         if claim is None:
@@ -199,6 +205,38 @@ class LeaseKeeper:
             return
         if outcome is Outcome.STARTED:
             self.hold(claim.store, claim.queue, [(claim.job_id, claim.token)], self.interval_ms)
+            if unseen:
+                with self._lock:
+                    self._unseen[tag] = time.monotonic()
+
+    def let_go_of_orphans(self, known: set[str], after_s: float) -> list[str]:
+        """Release claims kept for a started task that nobody will ever settle.
+
+        When the connection drops, a prefork child may have started a task the
+        worker had not yet heard of; the claim is kept, for the task runs on.
+        But Celery drops such a job from its pool's table (it was not accepted
+        yet), so it never acks it: held, the claim would be renewed for ever.
+        A kept claim that has not appeared among the worker's known tasks
+        (``known``) within ``after_s`` goes back to its queue, uncounted (the
+        job was not at fault); it runs again. Returns the delivery tags let go.
+        """
+        now = time.monotonic()
+        orphans: list[str] = []
+        with self._lock:
+            for tag, since in list(self._unseen.items()):
+                if tag not in self._held or tag in known:
+                    del self._unseen[tag]
+                elif now - since >= after_s:
+                    del self._unseen[tag]
+                    orphans.append(tag)
+        for tag in orphans:
+            logger.warning(
+                "celery_emq: %s started in a pool process this worker lost track of "
+                "(the connection dropped before the worker heard of it): released to run again",
+                tag,
+            )
+            self.release(tag)
+        return orphans
 
     def get(self, tag: str) -> Claim | None:
         """Return a held claim without forgetting it."""
@@ -289,6 +327,10 @@ class LeaseKeeper:
             if not self._held:
                 continue
             try:
+                if self._unseen:
+                    from .worker_state import started_delivery_tags
+
+                    self.let_go_of_orphans(started_delivery_tags(), 2 * interval_ms / 1000)
                 if self._owed:
                     self.settle_owed()
                 self.renew_once()

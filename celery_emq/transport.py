@@ -121,7 +121,7 @@ class QoS(kombu_redis.QoS):
         # A prefork child may have started one before the worker heard of it:
         # the recorded start decides, and such a claim stays held.
         self.channel._release_all(
-            [tag for tag in self._delivered if tag not in started], unless_started=True
+            [tag for tag in self._delivered if tag not in started], unless_started=True, unseen=True
         )
         self._delivered.clear()
 
@@ -548,9 +548,11 @@ class Channel(ChannelCompat, kombu_redis.Channel):
     def _release(self, tag: str, unless_started: bool = False) -> None:
         keeper().release(tag, unless_started)
 
-    def _release_all(self, tags: list[str], unless_started: bool = False) -> None:
+    def _release_all(
+        self, tags: list[str], unless_started: bool = False, unseen: bool = False
+    ) -> None:
         for tag in tags:
-            keeper().release(tag, unless_started)
+            keeper().release(tag, unless_started, unseen)
 
     def _bury(self, tag: str, reason: str, error: str) -> None:
         claim = keeper().forget(tag)

@@ -57,3 +57,25 @@ def test_thread_renews_on_its_own(store: JobStore, client: redis.Redis) -> None:
     # The new deadline is read on the Redis server's clock.
     assert client.zscore(store.keys("q").active, "a") > store.server_ms()
     k.forget(tag)
+
+
+def test_a_kept_claim_nobody_will_settle_is_let_go(store: JobStore, client: redis.Redis) -> None:
+    # At a channel close, a pool process had started two tasks the worker had
+    # not heard of: both claims are kept. One shows up among the worker's
+    # tasks; the other was dropped by Celery and would be renewed for ever.
+    for i in ("seen", "lost"):
+        store.enqueue("q", i, b"{}", now_ms=1)
+    claimed = store.claim("q", "me", count=2, now_ms=1000)
+    k = ManualKeeper("me")
+    tags = k.hold(store, "q", [(j.id, j.deliveries) for j in claimed], interval_ms=60_000)
+    for j in claimed:
+        store.start("q", j.id, j.deliveries)
+    for tag in tags:
+        k.release(tag, unless_started=True, unseen=True)
+    assert k.held_count() == 2  # started: kept
+    assert k.let_go_of_orphans(known={"seen#1"}, after_s=3600) == []
+    assert k.let_go_of_orphans(known=set(), after_s=0) == ["lost#1"]
+    assert k.get("seen#1") is not None and k.get("lost#1") is None
+    row = store.job("q", "lost")
+    assert (row["state"], row["stalled"]) == ("pending", "0")  # uncounted: not its fault
+    assert store.job("q", "seen")["state"] == "active"
