@@ -4,7 +4,8 @@ The transport's channel subclasses kombu's Redis ``Channel`` and leans on a few
 of its attributes that only recent kombu has. :class:`ChannelCompat` comes
 first in the channel's bases and gives each of them the kombu 5.7 behaviour on
 every supported release. :func:`keep_started_jobs_on_flush` mends a Celery
-worker before 5.6.3 that forgets its running tasks on a broker reconnect.
+worker that forgets, on a broker reconnect, tasks its pool children run (before
+5.6.3 all of them; since, those written to a child not yet heard to start).
 """
 
 from __future__ import annotations
@@ -64,21 +65,19 @@ class ChannelCompat:
 
 
 def keep_started_jobs_on_flush() -> None:
-    """Keep the prefork pool's started jobs when the worker's broker connection drops.
+    """Keep the prefork pool's jobs a child has, or will run, when the connection drops.
 
-    Before Celery 5.6.3 the worker empties the prefork pool's job table when it
-    loses its broker connection (``AsynPool.flush``), running jobs included. A
-    task already running in a child then finishes unseen by the worker, which
-    never acks it: under kombu's ``redis://`` the message was requeued at the
-    reconnect and runs twice; here its claim, kept for the running task, would
-    stay leased for ever. Celery 5.6.3 keeps the jobs a child has accepted
-    (started) and discards only the others; this does the same on older Celery.
-    Installed once per process; a no-op from Celery 5.6.3 on.
+    On a broker reconnect Celery empties the prefork pool's job table
+    (``AsynPool.flush``): before 5.6.3 of every job, since of every job a child
+    has not yet acknowledged starting. But a job already written to a child's
+    pipe (``_write_to``) is read and run by that child all the same, and its
+    task then finishes unseen by the worker, which never acks it: under
+    kombu's ``redis://`` the message was requeued at the reconnect and runs
+    twice; here its claim, kept for the started task, would stay leased for
+    ever. Jobs a child accepted or was written are kept; only those still in
+    the outgoing buffer (no child will see them) are dropped. Installed once
+    per process.
     """
-    import celery
-
-    if tuple(celery.VERSION[:3]) >= (5, 6, 3):
-        return
     from celery.concurrency.asynpool import AsynPool
 
     flush = AsynPool.flush
@@ -86,11 +85,15 @@ def keep_started_jobs_on_flush() -> None:
         return
 
     def flush_keeping_started(self: Any) -> Any:
-        started = {key: job for key, job in self._cache.items() if job._accepted}
+        kept = {
+            key: job
+            for key, job in self._cache.items()
+            if job._accepted or getattr(job, "_write_to", None) is not None
+        }
         try:
             return flush(self)
         finally:
-            for key, job in started.items():
+            for key, job in kept.items():
                 self._cache.setdefault(key, job)
 
     flush_keeping_started._emq_compat = True  # type: ignore[attr-defined]

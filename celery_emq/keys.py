@@ -23,6 +23,8 @@ key                             type    content
                                         use (PX = its TTL, renewed by publish,
                                         claim and declare); once gone, the sweep
                                         purges the queue's pending jobs
+``<p>:{q}:swept``               HASH    when sweeps ran (``at``) and the last outage
+                                        seen (``from``, ``to``); PX 1 day
 ``<p>:{q}:metrics:<name>``      HASH    counters (field ``count``): ``completed``,
                                         ``recovered``, ``stalled``, ``failed``,
                                         ``retried``
@@ -55,6 +57,7 @@ JOB_FIELDS: tuple[str, ...] = (
     "deliveries",  # how many times the job was claimed: the latest claim's fencing token
     "started",  # the token of the latest claim whose task started
     "completed",  # set when an older claim completed the job while a newer one holds it
+    "graced",  # the lease deadline the outage rule granted (once per deadline)
     "owner",  # worker identity holding the lease while active
     "enqueued_ms",  # first publish time
     "claimed_ms",  # time of the latest claim

@@ -34,6 +34,11 @@ _identity: str | None = None
 _keeper: LeaseKeeper | None = None
 _lock = threading.Lock()
 
+#: How long a claim kept for a task the worker never heard of is held before it
+#: is let go (see LeaseKeeper.let_go_of_orphans): long enough for any accept
+#: message in flight, and for most tasks such a pool process may still run.
+ORPHAN_AFTER_S = 300.0
+
 #: Separates the job id from the claim's token in a delivery tag.
 TAG_SEP = "#"
 
@@ -158,6 +163,7 @@ class LeaseKeeper:
                 tag = delivery_tag(c.job_id, c.token)
                 self._held[tag] = c
                 self._owed.add(tag)
+                self._unseen.pop(tag, None)  # it finished: its ack settles it
         self._wake.set()
 
     def owed_count(self) -> int:
@@ -224,7 +230,7 @@ class LeaseKeeper:
         orphans: list[str] = []
         with self._lock:
             for tag, since in list(self._unseen.items()):
-                if tag not in self._held or tag in known:
+                if tag not in self._held or tag in known or tag in self._owed:
                     del self._unseen[tag]
                 elif now - since >= after_s:
                     del self._unseen[tag]
@@ -327,12 +333,12 @@ class LeaseKeeper:
             if not self._held:
                 continue
             try:
+                if self._owed:
+                    self.settle_owed()
                 if self._unseen:
                     from .worker_state import started_delivery_tags
 
-                    self.let_go_of_orphans(started_delivery_tags(), 2 * interval_ms / 1000)
-                if self._owed:
-                    self.settle_owed()
+                    self.let_go_of_orphans(started_delivery_tags(), ORPHAN_AFTER_S)
                 self.renew_once()
                 failures = 0
             except Exception as exc:

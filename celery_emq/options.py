@@ -7,11 +7,14 @@ Redis options (``socket_timeout``, ``global_keyprefix``, ...) keep their meaning
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import InvalidOptionError
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["EmqOptions"]
 
@@ -81,6 +84,14 @@ class EmqOptions:
             or not 0.1 <= interval <= 3600
         ):
             raise InvalidOptionError("sweep_interval_s", interval, "a number from 0.1 to 3600")
+        if float(interval) * 1000 > lease_ms / 2:
+            logger.warning(
+                "celery_emq: sweep_interval_s=%s is more than half of lease_ms=%s: a gap "
+                "between sweeps looks like an outage, so a dead worker's job waits one more "
+                "lease (keep sweep_interval_s under lease_ms / 2000)",
+                interval,
+                lease_ms,
+            )
         return cls(
             lease_ms=lease_ms,
             renew_interval_ms=renew_interval_ms,

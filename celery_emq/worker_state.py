@@ -46,7 +46,9 @@ _MARKS_MAX = 10_000
 #: Delivery tags handed to a pool that runs whatever it was handed (threads,
 #: solo, gevent, eventlet): such a task runs even when the channel closes before
 #: it starts, so its claim must stay held. Removed when the delivery is settled.
-_submitted: set[str] = set()
+#: Each maps to the pool's result for a prefork job (it runs once written to a
+#: child), or to None (it runs, whatever happens).
+_submitted: dict[str, Any] = {}
 _submitted_lock = threading.Lock()
 
 
@@ -62,7 +64,7 @@ def started_delivery_tags() -> set[str]:
     if state is None:
         return set()
     with _submitted_lock:
-        tags = set(_submitted)
+        tags = {tag for tag, job in _submitted.items() if job is None or _written(job)}
     for request in list(getattr(state, "active_requests", ())):
         message = getattr(request, "message", None)
         tag = getattr(message, "delivery_tag", None)
@@ -74,7 +76,7 @@ def started_delivery_tags() -> set[str]:
 def settled(tag: str) -> None:
     """Forget a delivery handed to the pool: it was acked or rejected."""
     with _submitted_lock:
-        _submitted.discard(tag)
+        _submitted.pop(tag, None)
 
 
 def pop_mark(tag: str) -> Mark | None:
@@ -152,15 +154,27 @@ def install_worker_probes() -> None:
     keep_started_jobs_on_flush()
 
 
+def _written(job: Any) -> bool:
+    """Whether a prefork job reached a child (written to its pipe, or accepted)."""
+    return bool(getattr(job, "_accepted", False)) or getattr(job, "_write_to", None) is not None
+
+
+def _is_prefork(pool: Any) -> bool:
+    """Whether ``pool`` is Celery's prefork pool (or a subclass of it)."""
+    prefork = sys.modules.get("celery.concurrency.prefork")
+    return prefork is not None and isinstance(pool, prefork.TaskPool)
+
+
 def _install_submit_probe() -> None:
     """Note the deliveries handed to a pool that will run them come what may.
 
     Celery's threads pool queues what it is handed in its executor, and gevent
     and eventlet spawn it: when the connection drops, Celery cancels none of it,
     so those tasks still run, on the claims they were delivered with. The
-    prefork pool drops what it had not yet written to a child (``flush``), and
-    a child that started a task records the start itself. Every pool is handed
-    a task through ``apply_async`` with the request's ``on_accepted`` callback.
+    prefork pool drops what it had not yet written to a child (``flush``), but
+    a child runs what was written to its pipe: such a job counts once written.
+    Every pool is handed a task through ``apply_async`` with the request's
+    ``on_accepted`` callback.
     """
     from celery.concurrency.base import BasePool
 
@@ -172,16 +186,20 @@ def _install_submit_probe() -> None:
         request = getattr(options.get("accept_callback"), "__self__", None)
         tag = getattr(getattr(request, "message", None), "delivery_tag", None)
         tag = tag if isinstance(tag, str) else ""
-        keeps = bool(tag) and not type(self).__module__.startswith("celery.concurrency.prefork")
-        if keeps:
+        prefork = _is_prefork(self)
+        if tag and not prefork:
             with _submitted_lock:
-                _submitted.add(tag)
+                _submitted[tag] = None
         try:
-            return original(self, target, *args, **options)
+            job = original(self, target, *args, **options)
         except BaseException:
-            if keeps:
+            if tag:
                 settled(tag)
             raise
+        if tag and prefork and job is not None:
+            with _submitted_lock:
+                _submitted[tag] = job
+        return job
 
     apply_async._emq_probe = True  # type: ignore[attr-defined]
     BasePool.apply_async = apply_async

@@ -228,6 +228,7 @@ def test_a_pickle_a_json_worker_refuses_is_dead_lettered_and_never_loaded(
             "reaped": [],
             "requeued": [],
             "completed": [],
+            "graced": [],
             "trimmed": 0,
         }
     ]
