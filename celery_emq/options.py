@@ -84,11 +84,11 @@ class EmqOptions:
             or not 0.1 <= interval <= 3600
         ):
             raise InvalidOptionError("sweep_interval_s", interval, "a number from 0.1 to 3600")
-        if float(interval) * 1000 > lease_ms / 2:
+        if float(interval) * 1000 > lease_ms / 3:
             logger.warning(
-                "celery_emq: sweep_interval_s=%s is more than half of lease_ms=%s: a gap "
-                "between sweeps looks like an outage, so a dead worker's job waits one more "
-                "lease (keep sweep_interval_s under lease_ms / 2000)",
+                "celery_emq: sweep_interval_s=%s is more than a third of lease_ms=%s: a gap "
+                "between sweeps of over half a lease looks like an outage, and a dead worker's "
+                "job then waits one more lease (keep sweep_interval_s under lease_ms / 3000)",
                 interval,
                 lease_ms,
             )

@@ -530,7 +530,7 @@ class JobStoreModel(RuleBasedStateMachine):
             if (
                 not job.completed
                 and self.outage
-                and self.outage[0] < job.deadline <= self.outage[1] + LEASE_MS / 2
+                and self.outage[0] + LEASE_MS / 2 < job.deadline <= self.outage[1] + LEASE_MS / 2
                 and job.graced != job.deadline
             ):
                 # Lapsed in an outage: one more lease, no stall, stays where it is.

@@ -19,9 +19,11 @@
   Outage rule: `<base>swept` (HASH at, from, to) keeps when sweeps ran. A live worker
   renews at least every half lease, so its lease lapses only if Redis did not hear from
   it for half a lease; a pass finding that no sweep ran for over half a lease takes the
-  gap (from, to) as an outage. A lease that lapsed in it, or within half a lease after
-  it (its keeper had no time to renew), is granted one more lease uncounted, once per
-  deadline (`graced` holds the deadline granted): outcome graced.
+  gap (from, to) as an outage. A live worker renewed before `from` (Redis answered then),
+  so its lease lapses after from + lease/2: a lease with a deadline in
+  (from + lease/2, to + lease/2] (in the outage, or so soon after it that its keeper had
+  no time to renew) is granted one more lease uncounted, once per deadline (`graced`
+  holds the deadline granted): outcome graced.
   A lapsed claim whose task never started (`started` is not its token) is
   requeued uncounted (outcome requeued). A charged claim has started.
   Budget: stalled <= max_stalled recovers (to the front of its queue or lane),
@@ -82,7 +84,7 @@ for i, id in ipairs(ids) do
     'history', 'group', 'deliveries', 'started', 'completed', 'graced')
   local deadline = tonumber(redis.call('ZSCORE', active, id))
   local examine = deadline and (not charge or row[8] == tokens[i])
-  if examine and row[1] and not row[10] and outage_from and deadline > outage_from
+  if examine and row[1] and not row[10] and outage_from and deadline > outage_from + lease_ms / 2
       and deadline <= outage_to + lease_ms / 2 and tonumber(row[11]) ~= deadline then
     -- Lapsed in an outage: its worker may be alive and could not renew. One more lease.
     local granted = now_ms + lease_ms

@@ -46,7 +46,7 @@ def test_a_stopped_worker_is_fenced_after_its_job_ran_again_elsewhere(
     start_worker: Callable[..., Worker], client: redis.Redis, prefix: str, redis_url: str
 ) -> None:
     lease_ms = 2000
-    env = {"EMQ_E2E_LEASE_MS": str(lease_ms), "EMQ_E2E_SWEEP_S": "1"}
+    env = {"EMQ_E2E_LEASE_MS": str(lease_ms), "EMQ_E2E_SWEEP_S": "0.5"}
     capp = client_app(redis_url, prefix, lease_ms)
     store = JobStore(client, prefix + "emq", lease_ms)
     k = store.keys("celery")
@@ -109,7 +109,7 @@ def test_a_poison_that_kills_a_solo_worker_spares_its_prefetched_neighbours(
 ) -> None:
     env = {
         "EMQ_E2E_LEASE_MS": "2000",
-        "EMQ_E2E_SWEEP_S": "1",
+        "EMQ_E2E_SWEEP_S": "0.5",
         "EMQ_E2E_MAX_STALLED": "1",
         "EMQ_E2E_PREFETCH": "4",
     }

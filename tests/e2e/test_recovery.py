@@ -53,7 +53,7 @@ def test_killed_worker_past_budget_is_dead_lettered_by_a_survivors_sweep(
 ) -> None:
     lease_ms = 2000
     capp = client_app(redis_url, prefix, lease_ms)
-    env = {"EMQ_E2E_LEASE_MS": str(lease_ms), "EMQ_E2E_MAX_STALLED": "0", "EMQ_E2E_SWEEP_S": "1"}
+    env = {"EMQ_E2E_LEASE_MS": str(lease_ms), "EMQ_E2E_MAX_STALLED": "0", "EMQ_E2E_SWEEP_S": "0.5"}
     doomed = start_worker("-c", "1", name="doomed", **env)
     result = capp.send_task("tests.e2e.app.sleepy", args=(30, "once"))
     wait_for(lambda: runs(client, prefix).get("once") == 1, 15)

@@ -83,3 +83,14 @@ def test_unstarted_and_completed_claims_in_an_outage(store: JobStore) -> None:
     # No sweep for 5 s: both lapse in the gap. The completed job is done, not graced.
     assert outcomes(store, 12_000) == {"idle": "graced", "done": "completed"}
     assert again["idle"] == 2
+
+
+def test_a_lease_that_lapsed_too_soon_after_the_last_sweep_is_counted(store: JobStore) -> None:
+    # A live worker renews at least every half lease, and Redis answered the
+    # sweep at 3000: a lease still due at 5000 had not been renewed since 0,
+    # so its worker was gone before the gap, outage or not.
+    assert outcomes(store, 0) == {}
+    started_claim(store, "a", 0)  # deadline 5000
+    assert outcomes(store, 2000) == {}
+    assert outcomes(store, 3000) == {}
+    assert outcomes(store, 9000) == {"a": "recovered"}  # 5000 <= 3000 + 2500
