@@ -628,17 +628,14 @@ class Chaos:
             for n, key in enumerate(self.client.scan_iter(match=k.job_prefix + "*", count=1000)):
                 if n >= 100_000:
                     break
-                row = {
-                    f.decode(): v.decode(errors="replace")
-                    for f, v in self.client.hgetall(key).items()
-                }
+                job_id = bytes(key).decode()[len(k.job_prefix) :]
+                row = self.store.job(QUEUE, job_id)
                 try:
                     task_id = json.loads(row.get("payload", "{}"))["headers"]["id"]
                 except (ValueError, KeyError, TypeError):
                     continue
                 if task_id in tasks:
                     row["payload"] = row["payload"][:300]
-                    job_id = bytes(key).decode()[len(k.job_prefix) :]
                     found.setdefault(task_id, {})[job_id] = row
         except redis.RedisError as exc:
             self.notes.append(f"job rows not read: {exc!r}")

@@ -43,7 +43,7 @@ def schedule_sweep(app: Any, every_s: float = 30.0, queues: Any = None) -> dict[
     return schedule(app, every_s, queues)
 
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _TRANSPORT = "celery_emq.transport:Transport"
 

@@ -47,11 +47,11 @@ def register() -> bool:
             try:
                 async with self.redis.pipeline() as pipe:
                     for k in keys:
-                        pipe.zcard(k.pending).zcard(k.active).zcard(k.dead)
+                        pipe.zcard(k.pending).zcard(k.active).zcard(k.dead).zcard(k.delayed)
                         pipe.zrange(k.lanes, 0, -1)
                     replies = await pipe.execute()
                 lanes = [
-                    [g.decode() if isinstance(g, bytes) else g for g in replies[i * 4 + 3]]
+                    [g.decode() if isinstance(g, bytes) else g for g in replies[i * 5 + 4]]
                     for i in range(len(names))
                 ]
                 async with self.redis.pipeline() as pipe:
@@ -61,7 +61,7 @@ def register() -> bool:
                     lane_sizes = iter(await pipe.execute())
                 out = []
                 for i, name in enumerate(names):
-                    pending, active, dead = replies[i * 4 : i * 4 + 3]
+                    pending, active, dead, delayed = replies[i * 5 : i * 5 + 4]
                     pending += sum(next(lane_sizes) for _ in lanes[i])
                     out.append(
                         {
@@ -70,6 +70,7 @@ def register() -> bool:
                             "messages_ready": pending,
                             "messages_unacknowledged": active,
                             "messages_dead": dead,
+                            "messages_delayed": delayed,
                         }
                     )
                 return out

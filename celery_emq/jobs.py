@@ -10,6 +10,8 @@ from typing import Any
 
 from kombu import serialization
 
+from .codec import unpack
+
 #: kombu's (untyped) deserializer, honouring the message's content type.
 deserialize: Callable[..., Any] = serialization.loads
 #: kombu's (untyped) reading of an ``accept_content`` setting into MIME types.
@@ -69,13 +71,15 @@ def describe(
 ) -> JobInfo:
     """Decode a stored message far enough to name its task, id and arguments.
 
+    ``payload`` is the message's JSON text or its stored form (:mod:`celery_emq.codec`).
+
     Only a body whose content type is in ``accept`` (MIME types, see
     :func:`accepted_content`) is decoded; the task's name and id still come
     from the message's JSON headers. Never raises: what cannot or may not be
     decoded is reported in ``decode_error``.
     """
     try:
-        message = json.loads(payload)
+        message = json.loads(unpack(payload))
         if not isinstance(message, dict):
             raise TypeError("the message is not a JSON object")
     except Exception as exc:

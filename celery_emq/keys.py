@@ -11,7 +11,15 @@ key                             type    content
                                         recovered jobs ahead of the band)
 ``<p>:{q}:active``              ZSET    claimed job ids; score = lease deadline (ms)
 ``<p>:{q}:dead``                ZSET    the morgue; score = time of death (ms)
-``<p>:{q}:job:<id>``            HASH    the job's row (see :data:`JOB_FIELDS`)
+``<p>:{q}:job:<id>``            HASH    the job's row: small fields only, so Redis
+                                        keeps it a compact listpack (see
+                                        :data:`JOB_FIELDS`)
+``<p>:{q}:msg:<id>``            STRING  the job's message, as stored by
+                                        :mod:`celery_emq.codec`
+``<p>:{q}:delayed``             ZSET    jobs whose ETA is still ahead; score = ETA
+                                        (ms); promoted to pending once due
+``<p>:{q}:etas``                HASH    Celery task id -> job id of delayed jobs
+                                        (a revoke promotes the job at once)
 ``<p>:{q}:wake``                LIST    one marker per job made claimable; consumers
                                         block on it with BRPOP, then claim
 ``<p>:{q}:seq``                 STRING  tail sequence (INCR) for FIFO order
@@ -48,13 +56,17 @@ from .errors import InvalidQueueNameError
 __all__ = ["JOB_FIELDS", "QueueKeys"]
 
 #: Fields of a job row (``<p>:{q}:job:<id>``).
+#: Fields appear on first use: a job never claimed has no ``deliveries``, one
+#: that never stalled no ``stalled``, a priority of 0 is not written. The queue
+#: is in the key and the message in its own key (``msg:<id>``). Rows written by
+#: 0.1.x hold the message as ``payload`` (and every counter); they are read as is.
 JOB_FIELDS: tuple[str, ...] = (
-    "payload",  # the kombu message, JSON, exactly as published
-    "queue",  # the queue name
-    "state",  # pending | active | dead
-    "priority",  # 0..9, lower is consumed first (as the stock Redis transport)
+    "state",  # delayed | pending | active | dead
+    "priority",  # 1..9 when not 0; lower is consumed first (as the stock Redis transport)
     "stalled",  # stall count (HINCRBY), travels with the job
     "deliveries",  # how many times the job was claimed: the latest claim's fencing token
+    "eta_ms",  # a delayed job's ETA
+    "task",  # a delayed job's Celery task id (for a revoke)
     "started",  # the token of the latest claim whose task started
     "completed",  # set when an older claim completed the job while a newer one holds it
     "graced",  # the lease deadline the outage rule granted (once per deadline)
@@ -126,6 +138,18 @@ class QueueKeys:
     @property
     def expires(self) -> str:
         return self.base + "expires"
+
+    @property
+    def delayed(self) -> str:
+        return self.base + "delayed"
+
+    @property
+    def etas(self) -> str:
+        return self.base + "etas"
+
+    def msg(self, job_id: str) -> str:
+        """Return the key of one job's stored message."""
+        return self.base + "msg:" + job_id
 
     @property
     def job_prefix(self) -> str:

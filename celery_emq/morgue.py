@@ -202,14 +202,19 @@ class Morgue:
         with self.store.client.pipeline(transaction=False) as pipe:
             for job_id in ids:
                 pipe.hmget(k.job(job_id), fields)
-            rows = pipe.execute()
+                pipe.get(k.msg(job_id))
+            replies = pipe.execute()
         jobs = []
-        for job_id, row in zip(ids, rows, strict=True):
+        for i, job_id in enumerate(ids):
+            row, stored = replies[2 * i], replies[2 * i + 1]
             text = {
                 f: (v.decode() if isinstance(v, bytes) else v)
                 for f, v in zip(fields, row, strict=True)
+                if f != "payload"
             }
-            info = describe(text["payload"] or "", queue, job_id, accept=self.accept)
+            # Rows written before messages had a key of their own hold it as `payload`.
+            message = stored if stored is not None else row[0]
+            info = describe(message or "", queue, job_id, accept=self.accept)
             jobs.append(
                 DeadJob(
                     id=job_id,

@@ -41,6 +41,7 @@ SCRIPT_NAMES: tuple[str, ...] = (
     "retry",
     "purge_dead",
     "give_back",
+    "promote",
 )
 
 #: Most claims one ``extend`` call carries (the rest go in further calls).
@@ -103,9 +104,12 @@ class Claimed:
     """One job handed out by ``claim``."""
 
     id: str
+    #: the message as stored (see :mod:`celery_emq.codec`)
     payload: bytes
     stalled: int
     deliveries: int
+    #: a delayed job promoted by a revoke of its task
+    revoked: bool = False
 
 
 def script_source(name: str) -> str:
@@ -144,29 +148,81 @@ class Scripts:
         ttl_ms: int = 0,
         max_stalled: int | Unset | None = UNSET,
         group: str = "",
+        eta_ms: int | None = None,
+        task_id: str = "",
     ) -> Outcome:
         """Add a job to ``pending`` (or its group's lane); ``DUPLICATE`` if the id is taken.
 
+        ``payload`` is the message as stored (:func:`celery_emq.codec.pack`).
         ``max_stalled`` gives the job a stall budget of its own (``None``: never
-        dead-letter); left unset, the sweep's default applies.
+        dead-letter); left unset, the sweep's default applies. A job whose
+        ``eta_ms`` is still ahead waits in ``delayed`` until it is due.
         """
-        return _outcome(
-            self._run(
-                "enqueue",
-                [k.pending, k.wake, k.seq, k.job(job_id), k.lanes, k.expires, k.base],
-                [
-                    job_id,
-                    payload,
-                    k.queue,
-                    priority,
-                    _time_arg(now_ms),
-                    ttl_ms,
-                    _budget_arg(max_stalled),
-                    group,
-                ],
-            ),
-            "enqueue",
+        keys, args = self.enqueue_call(
+            k, job_id, payload, priority, now_ms, ttl_ms, max_stalled, group, eta_ms, task_id
         )
+        return _outcome(self._run("enqueue", keys, args), "enqueue")
+
+    @staticmethod
+    def enqueue_call(
+        k: QueueKeys,
+        job_id: str,
+        payload: str | bytes,
+        priority: int,
+        now_ms: int | None,
+        ttl_ms: int = 0,
+        max_stalled: int | Unset | None = UNSET,
+        group: str = "",
+        eta_ms: int | None = None,
+        task_id: str = "",
+    ) -> tuple[list[str], list[Any]]:
+        """Return the keys and arguments of one ``enqueue`` call (for a pipeline)."""
+        keys = [
+            k.pending,
+            k.wake,
+            k.seq,
+            k.job(job_id),
+            k.lanes,
+            k.expires,
+            k.base,
+            k.msg(job_id),
+            k.delayed,
+            k.etas,
+        ]
+        args = [
+            job_id,
+            payload,
+            priority,
+            _time_arg(now_ms),
+            ttl_ms,
+            _budget_arg(max_stalled),
+            group,
+            "" if eta_ms is None else eta_ms,
+            task_id,
+        ]
+        return keys, args
+
+    def promote(
+        self, k: QueueKeys, now_ms: int | None, limit: int, task_ids: Sequence[str] = ()
+    ) -> tuple[int, bool]:
+        """Move due delayed jobs (and those of ``task_ids``, due or not) to their queue.
+
+        Returns how many were promoted, and whether the queue has jobs to claim.
+        """
+        reply = self._run(
+            "promote",
+            self._promote_keys(k),
+            [_time_arg(now_ms), limit, *task_ids],
+        )
+        return int(reply[0]), bool(reply[1])
+
+    def promote_on(self, pipe: Any, k: QueueKeys, limit: int) -> None:
+        """Queue a ``promote`` of due jobs on a pipeline (its reply: promoted, waiting)."""
+        self._scripts["promote"](keys=self._promote_keys(k), args=["", limit], client=pipe)
+
+    @staticmethod
+    def _promote_keys(k: QueueKeys) -> list[str]:
+        return [k.pending, k.wake, k.seq, k.lanes, k.delayed, k.etas, k.base]
 
     def claim(
         self,
@@ -184,11 +240,17 @@ class Scripts:
             [k.pending, k.active, k.wake, k.seq, k.head, k.lanes, k.cursor, k.expires, k.base],
             [_time_arg(now_ms), lease_ms, owner, count, held, ttl_ms],
         )
-        if len(reply) % 4:
+        if len(reply) % 5:
             raise ScriptContractError(f"claim.lua answered {len(reply)} items")
         return [
-            Claimed(_text(reply[i]), reply[i + 1], int(reply[i + 2]), int(reply[i + 3]))
-            for i in range(0, len(reply), 4)
+            Claimed(
+                _text(reply[i]),
+                reply[i + 1],
+                int(reply[i + 2]),
+                int(reply[i + 3]),
+                bool(int(reply[i + 4])),
+            )
+            for i in range(0, len(reply), 5)
         ]
 
     def start(self, k: QueueKeys, job_id: str, token: int) -> Outcome:
@@ -270,14 +332,25 @@ class Scripts:
         )
 
     def purge(self, k: QueueKeys, limit: int, expired: bool = False) -> int:
-        """Delete up to ``limit`` pending jobs; return how many went.
+        """Delete up to ``limit`` pending and delayed jobs; return how many went.
 
         With ``expired``, only when the x-expires queue is unused: -1 while in use.
         """
         return int(
             self._run(
                 "purge",
-                [k.pending, k.wake, k.seq, k.head, k.lanes, k.cursor, k.expires, k.base],
+                [
+                    k.pending,
+                    k.wake,
+                    k.seq,
+                    k.head,
+                    k.lanes,
+                    k.cursor,
+                    k.expires,
+                    k.base,
+                    k.delayed,
+                    k.etas,
+                ],
                 [limit, 1 if expired else 0],
             )
         )

@@ -2,64 +2,61 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from .store import JobStore
 
 __all__ = ["queue_status"]
 
-#: Most active or pending rows read to compute ages and the delayed count.
+#: Most rows read to compute each age: the longest-held leases, the jobs next in
+#: line in the default lane, and the heads of the first lanes.
 SAMPLE = 1000
 
 
 def queue_status(store: JobStore, queue: str, now_ms: int | None = None) -> dict[str, Any]:
-    """Return counts, lanes, ages and counters of one queue.
+    """Return counts, lanes, ages and counters of one queue, in a fixed number of round trips.
 
-    ``delayed`` counts active jobs whose task has an ETA still in the future
-    (a worker holds them leased until then). Ages are read from at most
-    ``SAMPLE`` rows each: the longest-held leases and the jobs next in line.
+    ``delayed`` counts the jobs whose ETA is still ahead: they wait in the
+    broker, not in a worker. Ages are read from at most ``SAMPLE`` rows each.
     """
-    now = store.server_ms() if now_ms is None else now_ms
     k = store.keys(queue)
-    counts = store.counts(queue)
-    lanes = store.lanes(queue)
     client = store.client
-    active_ids = client.zrange(k.active, 0, SAMPLE - 1)
-    heads = client.zrange(k.pending, 0, SAMPLE - 1)
-    for group in lanes:
-        heads += client.zrange(k.lane(group), 0, 0)
+    with client.pipeline(transaction=False) as pipe:
+        pipe.time()
+        pipe.zcard(k.pending).zcard(k.active).zcard(k.delayed).zcard(k.dead)
+        pipe.zrange(k.lanes, 0, -1)
+        pipe.zrange(k.active, 0, SAMPLE - 1)
+        pipe.zrange(k.pending, 0, SAMPLE - 1)
+        (secs, micros), pending, active, delayed, dead, groups, active_ids, heads = pipe.execute()
+    now = int(secs) * 1000 + int(micros) // 1000 if now_ms is None else now_ms
+    names = [g.decode() if isinstance(g, bytes) else g for g in groups]
+    lanes: dict[str, int] = {}
+    if names:
+        with client.pipeline(transaction=False) as pipe:
+            for g in names:
+                pipe.zcard(k.lane(g))
+            for g in names[:SAMPLE]:
+                pipe.zrange(k.lane(g), 0, 0)
+            replies = pipe.execute()
+        lanes = {g: int(n) for g, n in zip(names, replies[: len(names)], strict=True) if n}
+        for head in replies[len(names) :]:
+            heads += head
     with client.pipeline(transaction=False) as pipe:
         for job_id in active_ids:
-            pipe.hmget(k.job(job_id.decode()), "claimed_ms", "payload")
+            pipe.hget(k.job(job_id.decode()), "claimed_ms")
         for job_id in heads:
             pipe.hget(k.job(job_id.decode()), "enqueued_ms")
         replies = pipe.execute()
-    active_rows, pending_rows = replies[: len(active_ids)], replies[len(active_ids) :]
-    claimed = [int(r[0]) for r in active_rows if r[0]]
-    delayed = sum(1 for r in active_rows if r[1] and _eta_ms(r[1]) > now)
-    enqueued = [int(v) for v in pending_rows if v]
+    claimed = [int(v) for v in replies[: len(active_ids)] if v]
+    enqueued = [int(v) for v in replies[len(active_ids) :] if v]
     return {
         "queue": queue,
-        **counts,
-        "delayed": delayed,
+        "pending": int(pending) + sum(lanes.values()),
+        "active": int(active),
+        "delayed": int(delayed),
+        "dead": int(dead),
         "lanes": lanes,
         "oldest_lease_age_ms": now - min(claimed) if claimed else None,
         "oldest_pending_age_ms": now - min(enqueued) if enqueued else None,
         "counters": store.metrics(queue),
     }
-
-
-def _eta_ms(payload: bytes) -> int:
-    try:
-        eta = json.loads(payload).get("headers", {}).get("eta")
-    except (ValueError, AttributeError):
-        return 0
-    if not eta:
-        return 0
-    from datetime import datetime
-
-    try:
-        return int(datetime.fromisoformat(eta).timestamp() * 1000)
-    except (TypeError, ValueError):
-        return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from .codec import pack, unpack
 from .keys import QueueKeys
 from .scripts import UNSET, Claimed, Outcome, Scripts, Swept, Unset
 
@@ -18,6 +19,8 @@ __all__ = ["JobStore"]
 
 #: Jobs one ``purge`` script call deletes before the store calls it again.
 PURGE_BATCH = 1000
+#: Most due delayed jobs one ``promote`` script call moves.
+PROMOTE_BATCH = 1000
 #: The counters every queue keeps (``<p>:{q}:metrics:<name>``, field ``count``).
 METRICS: tuple[str, ...] = ("completed", "recovered", "stalled", "failed", "retried")
 
@@ -55,17 +58,42 @@ class JobStore:
         now_ms: int | None = None,
         max_stalled: int | Unset | None = UNSET,
         group: str = "",
+        eta_ms: int | None = None,
+        task_id: str = "",
     ) -> Outcome:
         """Add a job to the queue; ``DUPLICATE`` when the id already exists.
 
-        ``max_stalled`` gives this job its own stall budget (``None``: never
-        dead-letter); left unset, the sweep's default applies. A ``group``
-        puts the job in that group's fair lane. ``ttl_ms`` marks the queue as
-        an ``x-expires`` queue in use.
+        ``payload`` is the message's JSON text; it is stored compressed when
+        that makes it smaller (:mod:`celery_emq.codec`). ``max_stalled`` gives
+        this job its own stall budget (``None``: never dead-letter); left
+        unset, the sweep's default applies. A ``group`` puts the job in that
+        group's fair lane. ``ttl_ms`` marks the queue as an ``x-expires`` queue
+        in use. A job whose ``eta_ms`` is still ahead (on the Redis server's
+        clock) waits in the queue's delayed set until :meth:`promote` finds it
+        due; ``task_id`` lets a revoke find it (:meth:`promote_tasks`).
         """
         return self.scripts.enqueue(
-            self.keys(queue), job_id, payload, priority, now_ms, ttl_ms, max_stalled, group
+            self.keys(queue),
+            job_id,
+            pack(payload),
+            priority,
+            now_ms,
+            ttl_ms,
+            max_stalled,
+            group,
+            eta_ms,
+            task_id,
         )
+
+    def promote(self, queue: str, limit: int = PROMOTE_BATCH, now_ms: int | None = None) -> int:
+        """Move up to ``limit`` delayed jobs that are due into their queue or lane."""
+        return self.scripts.promote(self.keys(queue), now_ms, limit)[0]
+
+    def promote_tasks(self, queue: str, task_ids: Sequence[str]) -> int:
+        """Move the delayed jobs of these Celery task ids into their queue now, due or not."""
+        if not task_ids:
+            return 0
+        return self.scripts.promote(self.keys(queue), None, 0, task_ids)[0]
 
     def claim(
         self,
@@ -224,7 +252,8 @@ class JobStore:
         with self.client.pipeline(transaction=False) as pipe:
             for q in queues:
                 k = self.keys(q)
-                pipe.exists(k.pending, k.active, k.dead, k.lanes, *(k.metrics(n) for n in METRICS))
+                metrics = (k.metrics(n) for n in METRICS)
+                pipe.exists(k.pending, k.active, k.dead, k.lanes, k.delayed, *metrics)
             return [int(n) for n in pipe.execute()]
 
     def declare_expiring(self, queue: str, ttl_ms: int) -> None:
@@ -258,7 +287,7 @@ class JobStore:
             total += n
             if total:
                 purged[queue] = total
-            if not self.client.exists(k.pending, k.active, k.dead, k.lanes):
+            if not self.client.exists(k.pending, k.active, k.dead, k.lanes, k.delayed):
                 self.client.srem(self.expiring_key, queue)
                 # A publish may have used the queue since: keep it registered then.
                 if self.client.exists(k.expires):
@@ -289,7 +318,7 @@ class JobStore:
         return {name: int(v or 0) for name, v in zip(METRICS, values, strict=True)}
 
     def purge(self, queue: str) -> int:
-        """Delete every pending job of the queue; return how many."""
+        """Delete every waiting job of the queue (pending and delayed); return how many."""
         total = 0
         while True:
             n = self.scripts.purge(self.keys(queue), PURGE_BATCH)
@@ -314,32 +343,36 @@ class JobStore:
         return {g: int(n) for g, n in zip(groups, sizes, strict=True) if n}
 
     def counts(self, queue: str) -> dict[str, int]:
-        """Return the number of pending (lanes included), active and dead jobs."""
+        """Return the number of pending (lanes included), active, delayed and dead jobs."""
         k = self.keys(queue)
         with self.client.pipeline(transaction=False) as pipe:
-            pipe.zcard(k.pending).zcard(k.active).zcard(k.dead).exists(k.lanes)
-            pending, active, dead, has_lanes = pipe.execute()
+            pipe.zcard(k.pending).zcard(k.active).zcard(k.dead).zcard(k.delayed).exists(k.lanes)
+            pending, active, dead, delayed, has_lanes = pipe.execute()
         lanes = sum(self.lanes(queue).values()) if has_lanes else 0
-        return {"pending": int(pending) + lanes, "active": int(active), "dead": int(dead)}
+        return {
+            "pending": int(pending) + lanes,
+            "active": int(active),
+            "delayed": int(delayed),
+            "dead": int(dead),
+        }
 
     def waiting(self, queues: Sequence[str]) -> list[str]:
-        """Return those of ``queues`` that have pending jobs (lanes included).
+        """Promote due delayed jobs; return those of ``queues`` that have jobs to claim.
 
-        One ``EXISTS`` per queue (its keys share a slot), in one round trip.
+        One script call per queue (its keys share a slot), in one round trip.
         """
         if not queues:
             return []
         with self.client.pipeline(transaction=False) as pipe:
             for q in queues:
-                k = self.keys(q)
-                pipe.exists(k.pending, k.lanes)
-            found = pipe.execute()
-        return [q for q, n in zip(queues, found, strict=True) if n]
+                self.scripts.promote_on(pipe, self.keys(q), PROMOTE_BATCH)
+            replies = pipe.execute()
+        return [q for q, reply in zip(queues, replies, strict=True) if int(reply[1])]
 
     def exists(self, queue: str) -> bool:
-        """Return whether the queue holds any pending or active job."""
+        """Return whether the queue holds any pending, delayed or active job."""
         k = self.keys(queue)
-        return bool(self.client.exists(k.pending, k.active, k.lanes))
+        return bool(self.client.exists(k.pending, k.active, k.lanes, k.delayed))
 
     def server_ms(self) -> int:
         """Return the Redis server's clock in ms: the time every deadline is read on."""
@@ -347,9 +380,25 @@ class JobStore:
         return int(seconds) * 1000 + int(micros) // 1000
 
     def job(self, queue: str, job_id: str) -> dict[str, str]:
-        """Return one job's row, decoded (empty when there is none)."""
-        row = self.client.hgetall(self.keys(queue).job(job_id))
-        return {_text(f): _text(v) for f, v in row.items()}
+        """Return one job as text: its row, with what the row leaves implied.
+
+        ``payload`` is the message's JSON text, ``queue`` the queue, and
+        ``stalled`` and ``deliveries`` are ``"0"`` until first used. Empty when
+        there is no such job.
+        """
+        k = self.keys(queue)
+        with self.client.pipeline(transaction=False) as pipe:
+            row, stored = pipe.hgetall(k.job(job_id)).get(k.msg(job_id)).execute()
+        if not row:
+            return {}
+        job = {"queue": queue, "stalled": "0", "deliveries": "0", "priority": "0"}
+        job.update({_text(f): _text(v) for f, v in row.items()})
+        if stored is not None:
+            try:
+                job["payload"] = _text(unpack(stored))
+            except ValueError:
+                job["payload"] = ""
+        return job
 
 
 def _text(value: bytes | str) -> str:

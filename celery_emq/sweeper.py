@@ -24,7 +24,7 @@ from .jobs import JobInfo, accepted_content, describe
 from .options import EmqOptions
 from .scripts import Outcome, Swept
 from .signals import job_dead_lettered, job_recovered, job_stalled
-from .store import JobStore
+from .store import PROMOTE_BATCH, JobStore
 
 __all__ = ["SweepReport", "Sweeper", "sweep_thread"]
 
@@ -71,8 +71,15 @@ class Sweeper:
         self.app = app
 
     def sweep(self, queue: str, now_ms: int | None = None) -> SweepReport:
-        """Count a stall on every lapsed job of ``queue``; recover or dead-letter each."""
+        """Count a stall on every lapsed job of ``queue``; recover or dead-letter each.
+
+        Delayed jobs that are due are promoted first (consumers also promote
+        them, at least once a second, whenever they look for work).
+        """
         report = SweepReport(queue)
+        for _ in range(MAX_CALLS_PER_PASS):
+            if self.store.promote(queue, now_ms=now_ms) < PROMOTE_BATCH:
+                break
         for _ in range(MAX_CALLS_PER_PASS):
             swept = self.store.sweep(
                 queue,

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
+import time
 import uuid
+from datetime import datetime
 from queue import Empty
 from time import monotonic
 from typing import Any
@@ -23,6 +26,7 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 
 from ._compat import ChannelCompat
+from .codec import unpack
 from .errors import BrokerFullError
 from .lease import Claim, keeper
 from .options import EmqOptions
@@ -280,9 +284,21 @@ class Channel(ChannelCompat, kombu_redis.Channel):
         group = headers.get(GROUP_HEADER) or ""
         if not isinstance(group, str):
             group = str(group)
+        eta_ms = _eta_ms(headers.get("eta")) if "task" in headers else None
+        task_id = headers.get("id") if eta_ms is not None else None
+        # The delivery tag and job id are the key's: not stored twice.
+        stored = {**message, "properties": {k: v for k, v in props.items() if k not in _KEYED}}
         try:
             outcome = self.store.enqueue(
-                queue, job_id, dumps(message), priority, ttl_ms, max_stalled=budget, group=group
+                queue,
+                job_id,
+                dumps(stored),
+                priority,
+                ttl_ms,
+                max_stalled=budget,
+                group=group,
+                eta_ms=eta_ms,
+                task_id=task_id if isinstance(task_id, str) else "",
             )
         except redis.ResponseError as exc:
             # Redis 7 answers OOM; Redis 6.2 wraps it in a script error.
@@ -455,7 +471,7 @@ class Channel(ChannelCompat, kombu_redis.Channel):
     def _decode(self, queue: str, job: Claimed, tag: str) -> dict[str, Any] | None:
         """Turn a claimed job into a kombu message; dead-letter what cannot be."""
         try:
-            payload = loads(bytes_to_str(job.payload))
+            payload = loads(bytes_to_str(unpack(job.payload)))
             props = payload["properties"]
             headers = payload.setdefault("headers", {})
             if not isinstance(props, dict) or not isinstance(headers, dict):
@@ -473,6 +489,8 @@ class Channel(ChannelCompat, kombu_redis.Channel):
             logger.error("celery_emq: job %s in %s refused: %s", job.id, queue, refused)
             self._bury(tag, CONTENT_DISALLOWED, refused)
             return None
+        if job.revoked:
+            _remember_revoked(headers.get("id"))
         props["delivery_tag"] = tag
         # Only publish attempts share it: a message published again from what a
         # consumer received is a new job.
@@ -612,6 +630,43 @@ _ACK_OUTCOMES = {
     Outcome.FENCED: "a newer claim holds the job; left to it, marked completed",
     Outcome.NOT_FOUND: "already gone",
 }
+
+
+#: Message properties the job's key already holds (not stored in the message).
+_KEYED = ("delivery_tag", JOB_ID_PROPERTY)
+
+#: A task whose ETA is at least this far ahead waits in the broker's delayed set;
+#: a nearer one is claimed at once and waits in the worker (Celery's timer).
+DELAY_MIN_MS = 1000
+
+
+def _eta_ms(eta: Any) -> int | None:
+    """Return the epoch ms of a task's ETA header if it is far enough ahead, else None.
+
+    Celery writes the ETA (``eta=`` or ``countdown=``) as an ISO 8601 time with
+    its UTC offset; one without an offset is left to Celery.
+    """
+    if not isinstance(eta, str) or not eta:
+        return None
+    try:
+        when = datetime.fromisoformat(eta)
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        return None
+    ms = int(when.timestamp() * 1000)
+    return ms if ms - time.time() * 1000 >= DELAY_MIN_MS else None
+
+
+def _remember_revoked(task_id: Any) -> None:
+    """Make this worker discard a task revoked while it waited in the delayed set.
+
+    Celery keeps revokes in memory (3 hours by default): a worker that started
+    later, or forgot, learns it here, before the message reaches Celery.
+    """
+    state = sys.modules.get("celery.worker.state")
+    if state is not None and isinstance(task_id, str):
+        state.revoked.add(task_id)
 
 
 def _queue_ttl_ms(kwargs: dict[str, Any]) -> int:

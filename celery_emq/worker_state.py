@@ -149,6 +149,7 @@ def install_worker_probes() -> None:
         lambda self, body, message, exc: _mark(message, "invalid_task", _error(exc)),
     )
     _install_worker_lost_probe()
+    _install_revoke_probe()
     _install_start_recorder()
     _install_submit_probe()
     keep_started_jobs_on_flush()
@@ -252,6 +253,43 @@ def _install_worker_lost_probe() -> None:
 
     on_failure._emq_probe = True  # type: ignore[attr-defined]
     Request.on_failure = on_failure
+
+
+def _install_revoke_probe() -> None:
+    """Bring revoked tasks out of the broker's delayed sets (Celery's ``revoke`` command).
+
+    Celery remembers a revoke only in its workers' memory, for a few hours; a
+    task delayed in the broker may be due long after. On a revoke, each worker
+    promotes the delayed jobs of those task ids at once, marked revoked: the
+    worker that claims one discards it as Celery discards a revoked task.
+    """
+    from celery.worker.control import Panel
+
+    original = Panel.data.get("revoke")
+    if original is None or getattr(original, "_emq_probe", False):
+        return
+
+    def revoke(state: Any, task_id: Any, *args: Any, **kwargs: Any) -> Any:
+        reply = original(state, task_id, *args, **kwargs)
+        ids = [task_id] if isinstance(task_id, str) else list(task_id or ())
+        try:
+            promote_revoked(state.app, [str(i) for i in ids])
+        except Exception:
+            logger.warning(
+                "celery_emq: could not bring revoked tasks out of the delayed set", exc_info=True
+            )
+        return reply
+
+    revoke._emq_probe = True  # type: ignore[attr-defined]
+    Panel.data["revoke"] = revoke
+
+
+def promote_revoked(app: Any, task_ids: list[str]) -> int:
+    """Promote the delayed jobs of ``task_ids`` in every registered queue; return how many."""
+    store = _child_store(app)
+    if store is None or not task_ids:
+        return 0
+    return sum(store.promote_tasks(q, task_ids) for q in store.queues())
 
 
 def _install_start_recorder() -> None:

@@ -90,11 +90,8 @@ def bulk_enqueue(store: JobStore, queue: str, n: int, now_ms: int = 1) -> list[s
     script = store.scripts._scripts["enqueue"]
     with store.client.pipeline() as pipe:
         for i in ids:
-            script(
-                keys=[k.pending, k.wake, k.seq, k.job(i), k.lanes, k.expires, k.base],
-                args=[i, b"{}", queue, 0, now_ms, 0, "", ""],
-                client=pipe,
-            )
+            keys, args = store.scripts.enqueue_call(k, i, b"{}", 0, now_ms)
+            script(keys=keys, args=args, client=pipe)
         pipe.execute()
     return ids
 

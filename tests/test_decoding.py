@@ -131,7 +131,7 @@ def test_a_consumer_that_refuses_pickle_dead_letters_it_unread(
                 except TimeoutError:
                     pass
     assert got == [] and UNPICKLED == []
-    assert store.counts("celery") == {"pending": 0, "active": 0, "dead": 1}
+    assert store.counts("celery") == {"pending": 0, "active": 0, "delayed": 0, "dead": 1}
     row = store.job("celery", job_id)
     assert (row["state"], row["reason"]) == ("dead", "content_disallowed")
     assert "ContentDisallowed" in row["error"]

@@ -42,6 +42,7 @@ import redis
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from celery_emq.codec import pack
 from celery_emq.scripts import UNSET, Claimed, Outcome, Swept
 from celery_emq.store import JobStore
 from tests.conftest import REDIS_URL, delete_prefix
@@ -199,7 +200,7 @@ class JobStoreModel(RuleBasedStateMachine):
             job.owner, job.deadline = owner, self.now + LEASE_MS
             self.claims.append(Claim(owner, job.id, job.deliveries))
             self.holding[owner].append((job.id, job.deliveries))
-            expected.append(Claimed(job.id, job.payload, job.stalled, job.deliveries))
+            expected.append(Claimed(job.id, pack(job.payload), job.stalled, job.deliveries))
         if not self._in("pending") and not self.lanes:
             self.wake, self.cursor = 0, ""
         else:
@@ -242,9 +243,9 @@ class JobStoreModel(RuleBasedStateMachine):
         if budget is not None and job.stalled > budget:
             self._kill(job)
             self.metrics["failed"] += 1
-            return Swept(job.id, "dead", job.stalled, job.payload)
+            return Swept(job.id, "dead", job.stalled, pack(job.payload))
         self.metrics["recovered"] += 1
-        return Swept(job.id, "recovered", job.stalled, job.payload)
+        return Swept(job.id, "recovered", job.stalled, pack(job.payload))
 
     def _lapsed(self, limit: int) -> list[Job]:
         jobs = [j for j in self._in("active") if j.deadline <= self.now]
@@ -505,7 +506,7 @@ class JobStoreModel(RuleBasedStateMachine):
         expected = None
         if self._live(c) and self.jobs[c.id].completed:
             job = self.jobs[c.id]
-            expected = Swept(job.id, "completed", job.stalled, job.payload)
+            expected = Swept(job.id, "completed", job.stalled, b"")
             self._done(job)
         elif self._live(c):
             job = self.jobs[c.id]
@@ -538,11 +539,11 @@ class JobStoreModel(RuleBasedStateMachine):
                 expected.append(Swept(job.id, "graced", job.stalled, b""))
                 front.append(None)
             elif job.completed:
-                expected.append(Swept(job.id, "completed", job.stalled, job.payload))
+                expected.append(Swept(job.id, "completed", job.stalled, b""))
                 front.append(None)
                 self._done(job)
             elif job.started != job.deliveries:
-                expected.append(Swept(job.id, "requeued", job.stalled, job.payload))
+                expected.append(Swept(job.id, "requeued", job.stalled, b""))
                 front.append(job)
             else:
                 swept = self._stall(job)
@@ -622,6 +623,7 @@ class JobStoreModel(RuleBasedStateMachine):
         k = self.k
         ids = sorted(i for i, j in self.jobs.items() if j.state != "gone")
         gone = [k.job(i) for i, j in self.jobs.items() if j.state == "gone"]
+        gone += [k.msg(i) for i, j in self.jobs.items() if j.state == "gone"]
         places = {"active": k.active, "dead": k.dead, "": k.pending}
         places.update({g: k.lane(g) for g in GROUPS})
         with self.client.pipeline(transaction=False) as pipe:
@@ -632,9 +634,12 @@ class JobStoreModel(RuleBasedStateMachine):
             pipe.zrange(k.lanes, 0, -1).llen(k.wake).get(k.cursor)
             for name in METRICS:
                 pipe.hget(k.metrics(name), "count")
-            # No gone job has a row left (one EXISTS for them all).
+            # No gone job has a row or a message left (one EXISTS for them all).
             if gone:
                 pipe.exists(*gone)
+            # Every other job has its message.
+            if ids:
+                pipe.exists(*(k.msg(i) for i in ids))
             replies = pipe.execute()
         rows = {
             i: {f.decode(): v.decode() for f, v in r.items()}
@@ -642,6 +647,8 @@ class JobStoreModel(RuleBasedStateMachine):
         }
         zsets = dict(zip(places, replies[len(ids) : len(ids) + len(places)], strict=True))
         lanes, llen, cursor, *counts = replies[len(ids) + len(places) :]
+        if ids:
+            assert counts.pop() == len(ids)
         if gone:
             assert counts.pop() == 0
 
@@ -658,8 +665,8 @@ class JobStoreModel(RuleBasedStateMachine):
             where = job.group if job.state == "pending" else job.state
             assert seen.get(i) == [where]
             assert row["state"] == job.state
-            assert int(row["deliveries"]) == job.deliveries
-            assert int(row["stalled"]) == job.stalled
+            assert int(row.get("deliveries", 0)) == job.deliveries
+            assert int(row.get("stalled", 0)) == job.stalled
             assert len(json.loads(row.get("history", "[]"))) == min(job.stalls, HISTORY)
             assert row.get("started", "") == (str(job.started) if job.started else "")
             assert row.get("group", "") == job.group

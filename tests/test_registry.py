@@ -124,4 +124,4 @@ def test_publishing_again_to_an_expired_queue_registers_it_again(
     assert store.counts("tmp")["pending"] == 1
     time.sleep(2 * ttl_ms / 1000)
     assert store.expire() == {"tmp": 1}
-    assert store.counts("tmp") == {"pending": 0, "active": 0, "dead": 0}
+    assert store.counts("tmp") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}

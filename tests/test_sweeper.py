@@ -132,7 +132,7 @@ def test_a_lapse_before_the_task_started_sends_no_signal_and_records_no_failure(
     report = sweeper.sweep("celery", now_ms=7000)
     assert (report.requeued, report.recovered, report.dead) == ([job_id], [], [])
     assert captured == {"stalled": [], "recovered": [], "dead": []}
-    assert store.counts("celery") == {"pending": 1, "active": 0, "dead": 0}
+    assert store.counts("celery") == {"pending": 1, "active": 0, "delayed": 0, "dead": 0}
     assert result.state == "PENDING"
 
 

@@ -169,4 +169,4 @@ def test_a_task_cancelled_on_connection_loss_goes_back_at_once(probed: Any, stor
     assert keeper().get(tag) is None
     row = store.job("q", "a")
     assert (row["state"], row["stalled"]) == ("pending", "0")
-    assert store.counts("q") == {"pending": 1, "active": 0, "dead": 0}
+    assert store.counts("q") == {"pending": 1, "active": 0, "delayed": 0, "dead": 0}

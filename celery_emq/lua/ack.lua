@@ -53,7 +53,7 @@ for i = 1, #ARGV, 2 do
       end
       code = 2
     end
-    redis.call('DEL', job)
+    redis.call('DEL', job, base .. 'msg:' .. id)
     redis.call('HINCRBY', completed, 'count', 1)
   end
   out[#out + 1] = code

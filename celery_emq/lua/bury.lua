@@ -37,7 +37,7 @@ if row[1] == 'active' then
   end
   redis.call('ZREM', active, id)
   if row[4] then
-    redis.call('DEL', job)
+    redis.call('DEL', job, base .. 'msg:' .. id)
     redis.call('HINCRBY', base .. 'metrics:completed', 'count', 1)
     return 7
   end

@@ -14,7 +14,9 @@
   ARGV[4] count     most jobs to claim (1..1000)
   ARGV[5] held      wake markers the caller already popped (BRPOP): 0 or 1
   ARGV[6] ttl_ms    > 0 for an x-expires queue: a claim is a use, so the queue lives on
-  Returns a flat array: id, payload, stalled, deliveries, ... per claimed job.
+  Returns a flat array: id, message, stalled, deliveries, revoked, ... per claimed job
+  (the message as stored, see celery_emq/codec.py; revoked is 1 for a delayed job
+  promoted by a revoke, else 0).
   The delivery count is the claim's fencing token: every later settle names it.
   With lanes, claims rotate one job at a time over the default lane and each
   group's lane (in name order), so no group can starve another.
@@ -76,19 +78,22 @@ end
 local out = {}
 for _, id in ipairs(ids) do
   local job = base .. 'job:' .. id
-  local row = redis.call('HMGET', job, 'payload', 'stalled')
+  local row = redis.call('HMGET', job, 'state', 'stalled', 'payload', 'revoked')
   -- A row can be missing only when a foreign writer deleted it: skip the id.
   if row[1] then
+    -- Rows written before messages had a key of their own hold it as `payload`.
+    local message = redis.call('GET', base .. 'msg:' .. id) or row[3] or ''
     local deliveries = redis.call('HINCRBY', job, 'deliveries', 1)
     redis.call('HSET', job, 'state', 'active', 'owner', owner, 'claimed_ms', now_ms)
     redis.call('ZADD', active, now_ms + lease_ms, id)
     out[#out + 1] = id
-    out[#out + 1] = row[1]
+    out[#out + 1] = message
     out[#out + 1] = tonumber(row[2] or '0')
     out[#out + 1] = deliveries
+    out[#out + 1] = row[4] and 1 or 0
   end
 end
-local claimed = #out / 4
+local claimed = #out / 5
 
 if redis.call('ZCARD', pending) == 0 and redis.call('EXISTS', lanes) == 0 then
   -- Nothing left to order: drop the markers, sequences and cursor, so a

@@ -1,4 +1,5 @@
---[[ purge: delete up to `limit` pending jobs of a queue and its lanes (kombu queue_purge,
+--[[ purge: delete up to `limit` waiting jobs of a queue: pending, in its lanes, and
+  delayed (kombu queue_purge,
   and the expiry of an x-expires queue once unused).
   KEYS[1] pending   <p>:{q}:pending (ZSET, the default lane)
   KEYS[2] wake      <p>:{q}:wake (LIST)
@@ -8,6 +9,8 @@
   KEYS[6] cursor    <p>:{q}:cursor (STRING)
   KEYS[7] expires   <p>:{q}:expires (STRING, present while an x-expires queue is in use)
   KEYS[8] base      <p>:{q}: (job rows and lane keys derive from it)
+  KEYS[9] delayed   <p>:{q}:delayed (ZSET of jobs not yet due)
+  KEYS[10] etas     <p>:{q}:etas (HASH, Celery task id -> job id of delayed jobs)
   ARGV[1] limit     most jobs to delete in this call
   ARGV[2] expired   1: only if the queue expired (its expires key is gone)
   Returns the number of jobs deleted, -1 when `expired` was asked and the queue
@@ -15,6 +18,7 @@
 ]]
 local pending, wake, seq, head = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local lanes, cursor, expires, base = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+local delayed, etas = KEYS[9], KEYS[10]
 local limit, expired = tonumber(ARGV[1]), ARGV[2] == '1'
 if expired and redis.call('EXISTS', expires) == 1 then
   return -1
@@ -24,7 +28,7 @@ local n = 0
 local function drain(lane)
   local popped = redis.call('ZPOPMIN', lane, limit - n)
   for i = 1, #popped, 2 do
-    redis.call('DEL', base .. 'job:' .. popped[i])
+    redis.call('DEL', base .. 'job:' .. popped[i], base .. 'msg:' .. popped[i])
     n = n + 1
   end
 end
@@ -41,9 +45,22 @@ while n < limit do
     redis.call('ZREM', lanes, group)
   end
 end
+local claimable = n
+if n < limit then
+  local popped = redis.call('ZPOPMIN', delayed, limit - n)
+  for i = 1, #popped, 2 do
+    local job = base .. 'job:' .. popped[i]
+    local task = redis.call('HGET', job, 'task')
+    if task then
+      redis.call('HDEL', etas, task)
+    end
+    redis.call('DEL', job, base .. 'msg:' .. popped[i])
+    n = n + 1
+  end
+end
 if redis.call('ZCARD', pending) == 0 and redis.call('EXISTS', lanes) == 0 then
   redis.call('DEL', wake, seq, head, cursor)
 else
-  redis.call('LTRIM', wake, 0, -(n + 1))
+  redis.call('LTRIM', wake, 0, -(claimable + 1))
 end
 return n

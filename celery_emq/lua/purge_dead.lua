@@ -10,7 +10,7 @@ local n = 0
 for i = 1, #ARGV do
   local id = ARGV[i]
   if redis.call('ZREM', dead, id) == 1 then
-    redis.call('DEL', base .. 'job:' .. id)
+    redis.call('DEL', base .. 'job:' .. id, base .. 'msg:' .. id)
     n = n + 1
   end
 end

@@ -33,10 +33,10 @@ local out = {}
 for i, id in ipairs(ids) do
   local job = base .. 'job:' .. id
   redis.call('ZREM', active, id)
-  local row = redis.call('HMGET', job, 'priority', 'group', 'completed')
+  local row = redis.call('HMGET', job, 'state', 'group', 'completed', 'priority')
   if row[3] then
     -- An older claim completed the job (its ack was fenced): done, not run again.
-    redis.call('DEL', job)
+    redis.call('DEL', job, base .. 'msg:' .. id)
     redis.call('HINCRBY', base .. 'metrics:completed', 'count', 1)
   elseif row[1] then
     local lane = pending
@@ -44,7 +44,7 @@ for i, id in ipairs(ids) do
       lane = base .. 'g:' .. row[2] .. ':pending'
       redis.call('ZADD', lanes, 0, row[2])
     end
-    redis.call('ZADD', lane, tonumber(row[1]) * BAND - (top - i + 1), id)
+    redis.call('ZADD', lane, tonumber(row[4] or '0') * BAND - (top - i + 1), id)
     redis.call('HSET', job, 'state', 'pending', 'owner', '', 'reason', 'lease_expired')
     redis.call('LPUSH', wake, 1)
     out[#out + 1] = id

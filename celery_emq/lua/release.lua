@@ -34,7 +34,7 @@ if unless_started and row[4] == token then
 end
 if row[5] then
   redis.call('ZREM', active, id)
-  redis.call('DEL', job)
+  redis.call('DEL', job, base .. 'msg:' .. id)
   redis.call('HINCRBY', base .. 'metrics:completed', 'count', 1)
   return 7
 end

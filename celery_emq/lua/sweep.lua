@@ -14,7 +14,7 @@
   ARGV[6..] id, token pairs: charge these live claims (a worker lost the process
             running them) instead of examining the lapsed ones
   Returns a flat array: id, outcome (recovered | dead | requeued | completed | graced),
-  stalled, payload, ... A job an older claim completed (its ack was fenced, `completed`
+  stalled, message (as stored; false unless recovered or dead), ... A job an older claim completed (its ack was fenced, `completed`
   is set) is deleted and counted completed instead (outcome completed).
   Outage rule: `<base>swept` (HASH at, from, to) keeps when sweeps ran. A live worker
   renews at least every half lease, so its lease lapses only if Redis did not hear from
@@ -82,6 +82,11 @@ for i, id in ipairs(ids) do
   local job = base .. 'job:' .. id
   local row = redis.call('HMGET', job, 'state', 'owner', 'priority', 'max_stalled', 'payload',
     'history', 'group', 'deliveries', 'started', 'completed', 'graced')
+  -- The message is read only for what the caller reports (recovered, dead); rows
+  -- written before messages had a key of their own hold it as `payload`.
+  local function message()
+    return redis.call('GET', base .. 'msg:' .. id) or row[5] or ''
+  end
   local deadline = tonumber(redis.call('ZSCORE', active, id))
   local examine = deadline and (not charge or row[8] == tokens[i])
   if examine and row[1] and not row[10] and outage_from and deadline > outage_from + lease_ms / 2
@@ -107,7 +112,7 @@ for i, id in ipairs(ids) do
     if row[10] then
       -- An older claim completed the job (its ack was fenced): done, not run again.
       stalled = tonumber(redis.call('HGET', job, 'stalled') or '0')
-      redis.call('DEL', job)
+      redis.call('DEL', job, base .. 'msg:' .. id)
       redis.call('HINCRBY', base .. 'metrics:completed', 'count', 1)
       outcome = 'completed'
     elseif not charge and row[9] ~= row[8] then
@@ -157,7 +162,11 @@ for i, id in ipairs(ids) do
     out[#out + 1] = id
     out[#out + 1] = outcome
     out[#out + 1] = stalled
-    out[#out + 1] = row[5]
+    if outcome == 'recovered' or outcome == 'dead' then
+      out[#out + 1] = message()
+    else
+      out[#out + 1] = false
+    end
   end
 end
 return out

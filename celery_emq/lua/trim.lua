@@ -31,6 +31,6 @@ if max_size > 0 and #doomed < limit then
 end
 for _, id in ipairs(doomed) do
   redis.call('ZREM', dead, id)
-  redis.call('DEL', base .. 'job:' .. id)
+  redis.call('DEL', base .. 'job:' .. id, base .. 'msg:' .. id)
 end
 return #doomed

@@ -27,7 +27,7 @@ from .harness import Worker, run_celery, wait_for
 
 pytestmark = pytest.mark.slow
 
-QUIET = {"pending": 0, "active": 0, "dead": 0}
+QUIET = {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
 
 
 def runs(client: redis.Redis, prefix: str) -> dict[str, int]:
@@ -142,7 +142,9 @@ def test_a_poison_that_kills_a_solo_worker_spares_its_prefetched_neighbours(
     assert [r.get(timeout=10) for r in innocents] == ["i0", "i1", "i2"]
     with pytest.raises(StalledJobError, match=r"stalled 2 times \(lease_expired\)"):
         poisoned.get(timeout=10)
-    wait_for(lambda: store.counts("celery") == {"pending": 0, "active": 0, "dead": 1}, 10)
+    wait_for(
+        lambda: store.counts("celery") == {"pending": 0, "active": 0, "delayed": 0, "dead": 1}, 10
+    )
     [dead_id] = [j.decode() for j in client.zrange(store.keys("celery").dead, 0, -1)]
     row = store.job("celery", dead_id)
     headers = json.loads(row["payload"])["headers"]
@@ -198,7 +200,9 @@ def test_a_pickle_a_json_worker_refuses_is_dead_lettered_and_never_loaded(
     )
     after = capp.send_task("tests.e2e.app.sleepy", args=(0, "after"))
     assert after.get(timeout=20) == "after"
-    wait_for(lambda: store.counts("celery") == {"pending": 0, "active": 0, "dead": 1}, 10)
+    wait_for(
+        lambda: store.counts("celery") == {"pending": 0, "active": 0, "delayed": 0, "dead": 1}, 10
+    )
     [dead_id] = [j.decode() for j in client.zrange(k.dead, 0, -1)]
     row = store.job("celery", dead_id)
     refused = (
@@ -258,7 +262,7 @@ def test_a_pickle_a_json_worker_refuses_is_dead_lettered_and_never_loaded(
     )
     assert job["decode_error"].startswith("ContentDisallowed: ")
     assert "application/x-python-serialize" in job["decode_error"]
-    assert store.counts("celery") == {"pending": 0, "active": 0, "dead": 1}
+    assert store.counts("celery") == {"pending": 0, "active": 0, "delayed": 0, "dead": 1}
 
     # The tripwire works: loading the stored body (here, in this process) marks it.
     monkeypatch.setattr(e2e_app, "_r", client)

@@ -98,6 +98,7 @@ def test_flower_shows_dead_lettered_task_as_failed_and_queue_lengths(
             "messages_ready": 0,
             "messages_unacknowledged": 0,
             "messages_dead": 1,
+            "messages_delayed": 0,
         }
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/broker", timeout=5) as r:
             assert r.status == 200 and b'<tr id="celery">' in r.read()

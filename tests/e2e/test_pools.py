@@ -36,7 +36,7 @@ LEASE_MS = 2000
 # Sweeps well within half a lease: a longer gap between them reads as an outage.
 SWEEP_S = 0.5
 ENV = {"EMQ_E2E_LEASE_MS": str(LEASE_MS), "EMQ_E2E_SWEEP_S": str(SWEEP_S)}
-QUIET = {"pending": 0, "active": 0, "dead": 0}
+QUIET = {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
 #: What a loaded two-core machine may add to a bound: worker wake-up, claim, task start.
 SLACK_S = 2.5
 
@@ -191,7 +191,9 @@ def test_a_task_that_kills_its_worker_is_dead_lettered_after_its_budget(
     assert [r.get(timeout=10) for r in innocents] == ["i0", "i1", "i2"]
     with pytest.raises(StalledJobError, match=rf"stalled 2 times \({reason}\)"):
         poisoned.get(timeout=10)
-    wait_for(lambda: store.counts("celery") == {"pending": 0, "active": 0, "dead": 1}, 10)
+    wait_for(
+        lambda: store.counts("celery") == {"pending": 0, "active": 0, "delayed": 0, "dead": 1}, 10
+    )
     [dead_id] = [j.decode() for j in client.zrange(store.keys("celery").dead, 0, -1)]
     row = store.job("celery", dead_id)
     assert json.loads(row["payload"])["headers"]["id"] == poisoned.id

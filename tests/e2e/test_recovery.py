@@ -43,7 +43,9 @@ def test_sigkilled_worker_task_restarts_on_a_survivor(
     assert recovery_s < 15
     assert result.get(timeout=15) == "victim"
     store = JobStore(client, prefix + "emq", lease_ms)
-    wait_for(lambda: store.counts("celery") == {"pending": 0, "active": 0, "dead": 0}, 5)
+    wait_for(
+        lambda: store.counts("celery") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}, 5
+    )
     assert store.metrics("celery")["recovered"] == 1
     capp.close()
 
@@ -110,7 +112,9 @@ def test_poison_task_is_dead_lettered_after_its_budget(
     signals = {k.decode(): int(v) for k, v in client.hgetall(prefix + "dead-signals").items()}
     assert signals == {f"{task}:{poisoned.id}:worker_lost": 1}
     # The last innocent's ack may land just after its result.
-    wait_for(lambda: store.counts("celery") == {"pending": 0, "active": 0, "dead": 1}, 10)
+    wait_for(
+        lambda: store.counts("celery") == {"pending": 0, "active": 0, "delayed": 0, "dead": 1}, 10
+    )
 
 
 def test_poison_with_no_budget_keeps_being_recovered(
@@ -197,7 +201,9 @@ def test_messages_celery_refuses_go_to_the_morgue_with_a_reason(
     reasons = sorted((r["reason"], r["error"].split(":")[0]) for r in rows)
     assert reasons == [("malformed", "DecodeError"), ("unknown_task", "KeyError")]
     # With acks_late the ack of `add` may land just after its result.
-    wait_for(lambda: store.counts("celery") == {"pending": 0, "active": 0, "dead": 2}, 10)
+    wait_for(
+        lambda: store.counts("celery") == {"pending": 0, "active": 0, "delayed": 0, "dead": 2}, 10
+    )
     signals = {k.decode(): int(v) for k, v in client.hgetall(prefix + "dead-signals").items()}
     assert sorted(signals.items()) == [
         ("None:None:malformed", 1),

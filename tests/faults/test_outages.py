@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 LEASE_MS = 3000
 ENV = {"EMQ_E2E_LEASE_MS": str(LEASE_MS), "EMQ_E2E_SWEEP_S": "1", "EMQ_E2E_PREFETCH": "4"}
-QUIET = {"pending": 0, "active": 0, "dead": 0}
+QUIET = {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
 
 
 def runs(client: redis.Redis, prefix: str) -> dict[str, int]:

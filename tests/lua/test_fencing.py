@@ -206,7 +206,7 @@ def test_a_job_an_older_claim_completed_is_never_run_again_nor_dead_lettered(
     # However the live claim ends (acked, released, dead-lettered, lapsed, charged
     # with a budget of 0), the job is gone and counted completed once.
     assert store.job("q", "a") == {}
-    assert store.counts("q") == {"pending": 1, "active": 0, "dead": 0}
+    assert store.counts("q") == {"pending": 1, "active": 0, "delayed": 0, "dead": 0}
     assert client.zrange(store.keys("q").pending, 0, -1) == [b"b"]
     assert client.llen(store.keys("q").wake) == 1
     metrics = store.metrics("q")

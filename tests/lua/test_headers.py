@@ -64,6 +64,7 @@ CALLS: dict[str, tuple[Call, int]] = {
     "retry": (lambda s, k: s.retry(k, 1, ["a", "b"]), 2),
     "purge_dead": (lambda s, k: s.purge_dead(k, ["a", "b"]), 2),
     "give_back": (lambda s, k: s.give_back(k), 0),
+    "promote": (lambda s, k: s.promote(k, 1, 10, ["t1", "t2"]), 2),
 }
 
 #: Calls that leave the time to the Redis server (``now_ms=None``).
@@ -76,6 +77,7 @@ SERVER_TIME: dict[str, Call] = {
     "sweep": lambda s, k: s.sweep(k, None, 10, 1, "lease_expired", 5000),
     "trim": lambda s, k: s.trim(k, None, 1000, 10, 10),
     "retry": lambda s, k: s.retry(k, None, ["a"]),
+    "promote": lambda s, k: s.promote(k, None, 10),
 }
 
 

@@ -85,10 +85,10 @@ def publish(conn: Connection, q: Queue, bodies: list[Any], **kw: Any) -> None:
 def test_roundtrip_acks_and_leaves_no_job(connect: ConnFactory, store: JobStore) -> None:
     conn, q = connect(), queue()
     publish(conn, q, [{"n": i} for i in range(10)])
-    assert store.counts("q") == {"pending": 10, "active": 0, "dead": 0}
+    assert store.counts("q") == {"pending": 10, "active": 0, "delayed": 0, "dead": 0}
     got = drain(conn, q, 10)
     assert [b["n"] for b, _ in got] == list(range(10))
-    assert store.counts("q") == {"pending": 0, "active": 0, "dead": 0}
+    assert store.counts("q") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
     assert keeper().held_count() == 0
 
 
@@ -112,7 +112,7 @@ def test_unacked_message_holds_a_lease_until_ack(connect: ConnFactory, store: Jo
     score = store.client.zscore(store.keys("q").active, job_id(message))
     assert score > store.server_ms()
     message.ack()
-    assert store.counts("q") == {"pending": 0, "active": 0, "dead": 0}
+    assert store.counts("q") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
 
 
 def test_requeue_redelivers_marked(connect: ConnFactory, store: JobStore) -> None:
@@ -120,7 +120,7 @@ def test_requeue_redelivers_marked(connect: ConnFactory, store: JobStore) -> Non
     publish(conn, q, ["x"])
     [(_, first)] = drain(conn, q, 1, ack=False)
     first.requeue()
-    assert store.counts("q") == {"pending": 1, "active": 0, "dead": 0}
+    assert store.counts("q") == {"pending": 1, "active": 0, "delayed": 0, "dead": 0}
     [(_, second)] = drain(conn, q, 1)
     # The same job, claimed again: a new claim, so a new delivery tag.
     assert job_id(second) == job_id(first)
@@ -138,7 +138,7 @@ def test_reject_without_requeue_goes_to_the_morgue(connect: ConnFactory, store: 
     publish(conn, q, ["x"])
     [(_, message)] = drain(conn, q, 1, ack=False)
     message.reject()
-    assert store.counts("q") == {"pending": 0, "active": 0, "dead": 1}
+    assert store.counts("q") == {"pending": 0, "active": 0, "delayed": 0, "dead": 1}
     assert store.job("q", job_id(message))["last_error"] == "rejected"
 
 
@@ -169,7 +169,7 @@ def test_malformed_payload_is_dead_lettered_and_consuming_goes_on(
     row = store.job("q", "broken2")
     assert (row["state"], row["last_error"], row["reason"]) == ("dead", "malformed", "malformed")
     assert "TypeError" in row["error"]
-    assert store.counts("q") == {"pending": 0, "active": 0, "dead": 1}
+    assert store.counts("q") == {"pending": 0, "active": 0, "delayed": 0, "dead": 1}
 
 
 def test_a_body_kombu_cannot_decode_is_dead_lettered_not_redelivered(
@@ -190,7 +190,7 @@ def test_a_body_kombu_cannot_decode_is_dead_lettered_not_redelivered(
         "padding": ("dead", "malformed"),
         "encoding": ("dead", "malformed"),
     }
-    assert store.counts("q") == {"pending": 0, "active": 0, "dead": 2}
+    assert store.counts("q") == {"pending": 0, "active": 0, "delayed": 0, "dead": 2}
     assert keeper().held_count() == 0
 
 
@@ -201,7 +201,7 @@ def test_closing_a_channel_releases_unacked_at_once(connect: ConnFactory, store:
     assert len(got) == 3
     assert store.counts("q")["active"] == 3
     got[0][1].channel.close()
-    assert store.counts("q") == {"pending": 3, "active": 0, "dead": 0}
+    assert store.counts("q") == {"pending": 3, "active": 0, "delayed": 0, "dead": 0}
     for _, message in got:
         row = store.job("q", job_id(message))
         assert (row["state"], row["stalled"]) == ("pending", "0")
@@ -229,7 +229,7 @@ def test_a_release_that_fails_strands_no_other_claim(
     # Nothing is left renewed for ever: the one release that failed is let go
     # (its lease lapses), the other two went back at once.
     assert keeper().held_count() == 0
-    assert store.counts("q") == {"pending": 2, "active": 1, "dead": 0}
+    assert store.counts("q") == {"pending": 2, "active": 1, "delayed": 0, "dead": 0}
     assert store.client.zrange(store.keys("q").active, 0, -1) == [failed[0].encode()]
 
 
@@ -252,13 +252,13 @@ def test_an_ack_that_fails_keeps_the_claim_and_goes_through_later(
         message.ack()  # the tasks finished while Redis was unreachable
     # The claims stay held and renewed (no lapse, no stall, no second run) ...
     assert keeper().owed_count() == 2
-    assert store.counts("q") == {"pending": 0, "active": 2, "dead": 0}
+    assert store.counts("q") == {"pending": 0, "active": 2, "delayed": 0, "dead": 0}
     # ... and the keeper acks them once Redis answers again.
     down[0] = False
     deadline = time.monotonic() + 10
     while store.counts("q")["active"] and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert store.counts("q") == {"pending": 0, "active": 0, "dead": 0}
+    assert store.counts("q") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
     assert keeper().owed_count() == keeper().held_count() == 0
     assert store.metrics("q")["completed"] == 2
 
@@ -291,7 +291,7 @@ def test_a_publish_retried_after_a_lost_reply_is_stored_once(
         )
     # kombu published again on a fresh connection, under the same job id.
     assert len(calls) == 2 and calls[0] == calls[1]
-    assert store.counts("q") == {"pending": 1, "active": 0, "dead": 0}
+    assert store.counts("q") == {"pending": 1, "active": 0, "delayed": 0, "dead": 0}
     [(body, message)] = drain(conn, q, 1)
     assert body == {"n": 1}
     # Republishing what was received is a new job, not a duplicate of the first.
@@ -310,14 +310,14 @@ def test_closing_keeps_a_claim_whose_task_started_elsewhere(
     started_id, token = parse_tag(tags["started"])
     store.start("q", started_id, token)
     got[0][1].channel.close()
-    assert store.counts("q") == {"pending": 1, "active": 1, "dead": 0}
+    assert store.counts("q") == {"pending": 1, "active": 1, "delayed": 0, "dead": 0}
     assert store.job("q", started_id)["state"] == "active"
     claim = keeper().get(tags["started"])
     assert claim is not None and (claim.job_id, claim.token) == (started_id, token)
     # Its task finishes later and its ack still lands.
     assert store.ack("q", started_id, token).name == "OK"
     keeper().forget(tags["started"])
-    assert store.counts("q") == {"pending": 1, "active": 0, "dead": 0}
+    assert store.counts("q") == {"pending": 1, "active": 0, "delayed": 0, "dead": 0}
 
 
 def test_basic_get(connect: ConnFactory, store: JobStore) -> None:
@@ -326,13 +326,13 @@ def test_basic_get(connect: ConnFactory, store: JobStore) -> None:
     bound = q(conn.channel())
     m = bound.get(no_ack=True)
     assert m.payload == "a"
-    assert store.counts("q") == {"pending": 1, "active": 0, "dead": 0}
+    assert store.counts("q") == {"pending": 1, "active": 0, "delayed": 0, "dead": 0}
     m = bound.get()
     assert m.payload == "b"
     assert store.counts("q")["active"] == 1
     m.ack()
     assert bound.get() is None
-    assert store.counts("q") == {"pending": 0, "active": 0, "dead": 0}
+    assert store.counts("q") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
 
 
 def test_size_and_purge(connect: ConnFactory, store: JobStore) -> None:
@@ -407,7 +407,7 @@ def test_a_no_ack_consumer_leaves_no_job_and_holds_no_claim(
             except TimeoutError:
                 pass
     assert got == ["a", "b", "c"]
-    assert store.counts("q") == {"pending": 0, "active": 0, "dead": 0}
+    assert store.counts("q") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
     assert store.metrics("q")["completed"] == 3
     assert keeper().held_count() == 0
 
@@ -472,7 +472,7 @@ def test_lease_survives_a_dropped_connection(
     assert row["state"] == "active"
     assert store.client.zscore(store.keys("q").active, job_id(message)) > store.server_ms()
     message.ack()
-    assert store.counts("q") == {"pending": 0, "active": 0, "dead": 0}
+    assert store.counts("q") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
 
 
 def test_a_job_whose_wake_marker_was_lost_is_still_claimed(
@@ -485,4 +485,4 @@ def test_a_job_whose_wake_marker_was_lost_is_still_claimed(
     store.client.delete(store.keys("q").wake)
     got = drain(conn, q, 1, timeout=5)
     assert [b for b, _ in got] == ["stranded"]
-    assert store.counts("q") == {"pending": 0, "active": 0, "dead": 0}
+    assert store.counts("q") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}

@@ -1,0 +1,67 @@
+--[[ promote: make delayed jobs claimable once due (or at once, by Celery task id).
+  KEYS[1] pending   <p>:{q}:pending (ZSET, the default lane)
+  KEYS[2] wake      <p>:{q}:wake (LIST)
+  KEYS[3] seq       <p>:{q}:seq (STRING, tail sequence)
+  KEYS[4] lanes     <p>:{q}:lanes (ZSET of groups with a lane)
+  KEYS[5] delayed   <p>:{q}:delayed (ZSET, score = ETA ms)
+  KEYS[6] etas      <p>:{q}:etas (HASH, Celery task id -> job id of delayed jobs)
+  KEYS[7] base      <p>:{q}: (job rows and lane keys derive from it)
+  ARGV[1] now_ms    '' takes the Redis server's clock
+  ARGV[2] limit     most due jobs promoted by this call
+  ARGV[3..] task ids  promote these delayed jobs now, due or not, marked `revoked`: they
+            were revoked, and the worker that claims one discards it as Celery does a
+            revoked task, even one that no longer remembers the revoke
+  Returns {promoted, waiting}: how many jobs were promoted, and 1 if the queue has
+  jobs to claim (pending or in a lane), else 0.
+  A promoted job joins the tail of its queue or lane, in ETA order.
+]]
+local pending, wake, seq, lanes, delayed = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local etas, base = KEYS[6], KEYS[7]
+local limit = tonumber(ARGV[2])
+local now_ms = tonumber(ARGV[1])
+if not now_ms then
+  local t = redis.call('TIME')
+  now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local BAND = 1099511627776
+
+local ids = {}
+for i = 3, #ARGV do
+  local id = redis.call('HGET', etas, ARGV[i])
+  if id and redis.call('ZSCORE', delayed, id) then
+    redis.call('HSET', base .. 'job:' .. id, 'revoked', 1)
+    ids[#ids + 1] = id
+  end
+end
+if limit > 0 then
+  local due = redis.call('ZRANGE', delayed, '-inf', now_ms, 'BYSCORE', 'LIMIT', 0, limit)
+  for _, id in ipairs(due) do
+    ids[#ids + 1] = id
+  end
+end
+local n = 0
+for _, id in ipairs(ids) do
+  if redis.call('ZREM', delayed, id) == 1 then
+    local job = base .. 'job:' .. id
+    local row = redis.call('HMGET', job, 'priority', 'group', 'task')
+    if row[3] then
+      redis.call('HDEL', etas, row[3])
+    end
+    local lane = pending
+    if row[2] and row[2] ~= '' then
+      lane = base .. 'g:' .. row[2] .. ':pending'
+      redis.call('ZADD', lanes, 0, row[2])
+    end
+    redis.call('ZADD', lane, tonumber(row[1] or '0') * BAND + redis.call('INCR', seq), id)
+    redis.call('HSET', job, 'state', 'pending')
+    redis.call('HDEL', job, 'task')
+    redis.call('LPUSH', wake, 1)
+    n = n + 1
+  end
+end
+local waiting = 0
+if redis.call('EXISTS', pending, lanes) > 0 then
+  waiting = 1
+end
+return {n, waiting}
