@@ -82,7 +82,7 @@ class Job:
     priority: int
     group: str
     budget: Any  # UNSET (the sweep's default), None (never dead-letter) or an int
-    state: str = "pending"  # pending | active | dead | gone
+    state: str = "pending"  # delayed | pending | active | dead | gone
     order: tuple[int, int] = (0, 0)  # (priority, position) in its lane while pending
     deliveries: int = 0
     started: int = 0
@@ -93,6 +93,8 @@ class Job:
     died_ms: int = 0
     completed: bool = False  # an older claim completed it while a newer one held it
     graced: int = 0  # the deadline an outage grace granted its claim
+    eta: int = 0  # a delayed job's ETA
+    revoked: bool = False  # promoted by a revoke of its task
 
 
 @dataclass(frozen=True)
@@ -197,10 +199,13 @@ class JobStoreModel(RuleBasedStateMachine):
         expected = []
         for job in taken:
             job.deliveries += 1
+            revoked = job.revoked
             job.owner, job.deadline = owner, self.now + LEASE_MS
             self.claims.append(Claim(owner, job.id, job.deliveries))
             self.holding[owner].append((job.id, job.deliveries))
-            expected.append(Claimed(job.id, pack(job.payload), job.stalled, job.deliveries))
+            expected.append(
+                Claimed(job.id, pack(job.payload), job.stalled, job.deliveries, revoked)
+            )
         if not self._in("pending") and not self.lanes:
             self.wake, self.cursor = 0, ""
         else:
@@ -333,6 +338,51 @@ class JobStoreModel(RuleBasedStateMachine):
             self.lanes.add(group)
         self.wake += 1
 
+    @rule(job=JOBS, ahead=st.sampled_from([1, 500, 1500]))
+    def enqueue_delayed(self, job: tuple[int, str, Any], ahead: int) -> None:
+        priority, group, budget = job
+        job_id = f"j{len(self.jobs):03d}"
+        payload = f'{{"id": "{job_id}"}}'.encode()
+        eta = self.now + ahead
+        outcome = self.store.enqueue(
+            QUEUE,
+            job_id,
+            payload,
+            priority=priority,
+            now_ms=self.now,
+            max_stalled=budget,
+            group=group,
+            eta_ms=eta,
+            task_id="t" + job_id,
+        )
+        assert outcome == Outcome.OK
+        self.jobs[job_id] = Job(job_id, payload, priority, group, budget, state="delayed", eta=eta)
+
+    def _promote(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            self.tail += 1
+            job.state, job.order = "pending", (job.priority, self.tail)
+            if job.group:
+                self.lanes.add(job.group)
+            self.wake += 1
+
+    @precondition(lambda self: self._in("delayed"))
+    @rule(limit=LIMITS)
+    def promote(self, limit: int) -> None:
+        due = sorted(
+            (j for j in self._in("delayed") if j.eta <= self.now), key=lambda j: (j.eta, j.id)
+        )
+        self._promote(due[:limit])
+        assert self.store.promote(QUEUE, limit, now_ms=self.now) == len(due[:limit])
+
+    @precondition(lambda self: self._in("delayed"))
+    @rule(data=st.data())
+    def revoke(self, data: st.DataObject) -> None:
+        job = data.draw(st.sampled_from(self._in("delayed")))
+        job.revoked = True
+        self._promote([job])
+        assert self.store.promote_tasks(QUEUE, ["t" + job.id, "tunknown"]) == 1
+
     @initialize(jobs=st.lists(JOBS, min_size=2, max_size=6))
     def publish_some(self, jobs: list[tuple[int, str, Any]]) -> None:
         for job in jobs:
@@ -345,7 +395,7 @@ class JobStoreModel(RuleBasedStateMachine):
             self._enqueue(*job)
         if again:
             # A publish that reuses the id of a job still held changes nothing.
-            held = data.draw(st.sampled_from(self._in("pending", "active", "dead")))
+            held = data.draw(st.sampled_from(self._in("delayed", "pending", "active", "dead")))
             outcome = self.store.enqueue(QUEUE, held.id, b"other", now_ms=self.now, group="gb")
             assert outcome == Outcome.DUPLICATE
 
@@ -587,7 +637,7 @@ class JobStoreModel(RuleBasedStateMachine):
     @precondition(lambda self: len(self._in("pending")) >= 4)
     @rule()
     def purge(self) -> None:
-        pending = self._in("pending")
+        pending = self._in("pending", "delayed")
         for job in pending:
             job.state = "gone"
         self.lanes.clear()
@@ -624,7 +674,7 @@ class JobStoreModel(RuleBasedStateMachine):
         ids = sorted(i for i, j in self.jobs.items() if j.state != "gone")
         gone = [k.job(i) for i, j in self.jobs.items() if j.state == "gone"]
         gone += [k.msg(i) for i, j in self.jobs.items() if j.state == "gone"]
-        places = {"active": k.active, "dead": k.dead, "": k.pending}
+        places = {"active": k.active, "dead": k.dead, "delayed": k.delayed, "": k.pending}
         places.update({g: k.lane(g) for g in GROUPS})
         with self.client.pipeline(transaction=False) as pipe:
             for i in ids:
@@ -678,6 +728,9 @@ class JobStoreModel(RuleBasedStateMachine):
             if place == "active":
                 jobs = sorted(self._in("active"), key=lambda j: (j.deadline, j.id))
                 assert got == [(j.id, j.deadline) for j in jobs]
+            elif place == "delayed":
+                jobs = sorted(self._in("delayed"), key=lambda j: (j.eta, j.id))
+                assert got == [(j.id, j.eta) for j in jobs]
             elif place == "dead":
                 jobs = sorted(self._in("dead"), key=lambda j: (j.died_ms, j.id))
                 assert got == [(j.id, j.died_ms) for j in jobs]
