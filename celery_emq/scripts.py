@@ -150,33 +150,16 @@ class Scripts:
         group: str = "",
         eta_ms: int | None = None,
         task_id: str = "",
+        client: Any = None,
     ) -> Outcome:
         """Add a job to ``pending`` (or its group's lane); ``DUPLICATE`` if the id is taken.
 
         ``payload`` is the message as stored (:func:`celery_emq.codec.pack`).
         ``max_stalled`` gives the job a stall budget of its own (``None``: never
         dead-letter); left unset, the sweep's default applies. A job whose
-        ``eta_ms`` is still ahead waits in ``delayed`` until it is due.
+        ``eta_ms`` is still ahead waits in ``delayed`` until it is due. Given a
+        pipeline as ``client``, the call is queued on it (and ``OK`` returned).
         """
-        keys, args = self.enqueue_call(
-            k, job_id, payload, priority, now_ms, ttl_ms, max_stalled, group, eta_ms, task_id
-        )
-        return _outcome(self._run("enqueue", keys, args), "enqueue")
-
-    @staticmethod
-    def enqueue_call(
-        k: QueueKeys,
-        job_id: str,
-        payload: str | bytes,
-        priority: int,
-        now_ms: int | None,
-        ttl_ms: int = 0,
-        max_stalled: int | Unset | None = UNSET,
-        group: str = "",
-        eta_ms: int | None = None,
-        task_id: str = "",
-    ) -> tuple[list[str], list[Any]]:
-        """Return the keys and arguments of one ``enqueue`` call (for a pipeline)."""
         keys = [
             k.pending,
             k.wake,
@@ -200,7 +183,10 @@ class Scripts:
             "" if eta_ms is None else eta_ms,
             task_id,
         ]
-        return keys, args
+        if client is not None:
+            self._scripts["enqueue"](keys=keys, args=args, client=client)
+            return Outcome.OK
+        return _outcome(self._run("enqueue", keys, args), "enqueue")
 
     def promote(
         self, k: QueueKeys, now_ms: int | None, limit: int, task_ids: Sequence[str] = ()

@@ -87,11 +87,9 @@ def bulk_enqueue(store: JobStore, queue: str, n: int, now_ms: int = 1) -> list[s
     """Enqueue ``n`` jobs ``"0".."n-1"`` through one pipeline; return their ids."""
     k = store.keys(queue)
     ids = [str(i) for i in range(n)]
-    script = store.scripts._scripts["enqueue"]
     with store.client.pipeline() as pipe:
         for i in ids:
-            keys, args = store.scripts.enqueue_call(k, i, b"{}", 0, now_ms)
-            script(keys=keys, args=args, client=pipe)
+            store.scripts.enqueue(k, i, b"{}", 0, now_ms, client=pipe)
         pipe.execute()
     return ids
 

@@ -317,33 +317,11 @@ class JobStoreModel(RuleBasedStateMachine):
     def advance(self, ms: int) -> None:
         self.now += ms
 
-    def _enqueue(self, priority: int, group: str, budget: Any) -> None:
+    def _enqueue(self, priority: int, group: str, budget: Any, ahead: int = 0) -> None:
+        """Publish a job; with ``ahead`` its ETA is that far ahead (a delayed job)."""
         job_id = f"j{len(self.jobs):03d}"
         payload = f'{{"id": "{job_id}"}}'.encode()
-        outcome = self.store.enqueue(
-            QUEUE,
-            job_id,
-            payload,
-            priority=priority,
-            now_ms=self.now,
-            max_stalled=budget,
-            group=group,
-        )
-        assert outcome == Outcome.OK
-        self.tail += 1
-        self.jobs[job_id] = Job(
-            job_id, payload, priority, group, budget, order=(priority, self.tail)
-        )
-        if group:
-            self.lanes.add(group)
-        self.wake += 1
-
-    @rule(job=JOBS, ahead=st.sampled_from([1, 500, 1500]))
-    def enqueue_delayed(self, job: tuple[int, str, Any], ahead: int) -> None:
-        priority, group, budget = job
-        job_id = f"j{len(self.jobs):03d}"
-        payload = f'{{"id": "{job_id}"}}'.encode()
-        eta = self.now + ahead
+        eta = self.now + ahead if ahead else None
         outcome = self.store.enqueue(
             QUEUE,
             job_id,
@@ -353,12 +331,21 @@ class JobStoreModel(RuleBasedStateMachine):
             max_stalled=budget,
             group=group,
             eta_ms=eta,
-            task_id="t" + job_id,
+            task_id="t" + job_id if eta else "",
         )
         assert outcome == Outcome.OK
-        self.jobs[job_id] = Job(job_id, payload, priority, group, budget, state="delayed", eta=eta)
+        job = self.jobs[job_id] = Job(job_id, payload, priority, group, budget)
+        if eta:
+            job.state, job.eta = "delayed", eta
+        else:
+            self._promote([job])
+
+    @rule(job=JOBS, ahead=st.sampled_from([1, 500, 1500]))
+    def enqueue_delayed(self, job: tuple[int, str, Any], ahead: int) -> None:
+        self._enqueue(*job, ahead=ahead)
 
     def _promote(self, jobs: list[Job]) -> None:
+        """Jobs join the tail of their lanes (a publish, or a promotion of delayed jobs)."""
         for job in jobs:
             self.tail += 1
             job.state, job.order = "pending", (job.priority, self.tail)
