@@ -39,6 +39,7 @@ from .worker_state import (
     CLAIM_HEADER,
     WORKER_LOST,
     install_worker_probes,
+    pool_may_idle,
     pop_mark,
     settled,
     started_delivery_tags,
@@ -83,6 +84,21 @@ class QoS(kombu_redis.QoS):
 
     def append(self, message: Any, delivery_tag: str) -> None:
         virtual.QoS.append(self, message, delivery_tag)
+
+    def can_consume(self) -> bool:
+        """Whether to wait for (and claim) more jobs now.
+
+        Every claim costs a round trip (two after an idle wait), so a worker
+        whose pool is busy tops up its prefetch in batches: it claims again
+        once half its prefetch is free. It does not wait while a pool process
+        may idle: when it holds no more runnable tasks than its pool runs at
+        once, it claims as soon as a slot is free.
+        """
+        pcount = self.prefetch_count
+        if not pcount:
+            return True
+        free = pcount - (len(self._delivered) - len(self._dirty))
+        return free > 0 and (free >= refill_at(pcount) or pool_may_idle())
 
     def ack(self, delivery_tag: str) -> None:
         settled(delivery_tag)
@@ -643,6 +659,11 @@ def _remember_revoked(task_id: Any) -> None:
     state = sys.modules.get("celery.worker.state")
     if state is not None and isinstance(task_id, str):
         state.revoked.add(task_id)
+
+
+def refill_at(prefetch: int) -> int:
+    """Return how many prefetch slots a busy worker lets free before it claims again."""
+    return max(1, prefetch // 2)
 
 
 def _queue_ttl_ms(kwargs: dict[str, Any]) -> int:

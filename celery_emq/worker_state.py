@@ -20,7 +20,14 @@ from typing import Any, NamedTuple
 
 from ._compat import keep_started_jobs_on_flush
 
-__all__ = ["Mark", "install_worker_probes", "pop_mark", "settled", "started_delivery_tags"]
+__all__ = [
+    "Mark",
+    "install_worker_probes",
+    "pool_may_idle",
+    "pop_mark",
+    "settled",
+    "started_delivery_tags",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -348,11 +355,31 @@ def _install_start_recorder() -> None:
 _start_recorder_installed = False
 
 
+#: The pool of the Celery worker running in this process, once it is ready.
+_pool: Any = None
+
+
 def _on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
-    """Let settles wait for company (``settle_delay_ms``) once the worker is ready."""
+    """Note the worker's pool; let settles wait for company (``settle_delay_ms``)."""
     from .settle import batcher
 
+    global _pool
+    _pool = getattr(sender, "pool", None)
     batcher().deferring = True
+
+
+def pool_may_idle() -> bool:
+    """Whether the worker in this process holds no more runnable tasks than its pool runs.
+
+    Runnable: received and not finished, ETA tasks waiting in the timer left
+    out (Celery's ``reserved_requests``). True when no worker is ready here, or
+    its pool's size is unknown.
+    """
+    limit = getattr(_pool, "limit", None)
+    state = sys.modules.get("celery.worker.state")
+    if not isinstance(limit, int) or limit <= 0 or state is None:
+        return True
+    return len(getattr(state, "reserved_requests", ())) <= limit
 
 
 def _request_claim(task: Any) -> tuple[str, str, int] | None:

@@ -1,7 +1,8 @@
-"""Where a task's start is recorded."""
+"""Where a task's start is recorded, and how a busy worker tops up its prefetch."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -14,6 +15,7 @@ from celery_emq import worker_state
 from celery_emq.lease import keeper
 from celery_emq.settle import SettleBatcher, batcher
 from celery_emq.store import JobStore
+from celery_emq.transport import refill_at
 
 
 @pytest.fixture
@@ -91,3 +93,48 @@ def test_a_prefork_child_sends_nothing_when_its_task_starts(
         job.pop_request()
     assert sent == []
     assert "started" not in store.job("q", "a")
+
+
+def test_a_busy_worker_claims_again_once_half_its_prefetch_is_free() -> None:
+    assert [refill_at(n) for n in (1, 2, 3, 8, 9)] == [1, 1, 1, 4, 4]
+
+
+@pytest.fixture
+def ready_pool(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A ready worker's pool of two, with Celery's reserved requests under the test's control."""
+    pool = SimpleNamespace(limit=2)
+    monkeypatch.setattr(worker_state, "_pool", pool)
+    state = SimpleNamespace(reserved_requests=set())
+    monkeypatch.setitem(sys.modules, "celery.worker.state", state)
+    return state
+
+
+def qos_holding(n: int, prefetch: int = 8) -> Any:
+    from celery_emq.transport import QoS
+
+    qos = QoS.__new__(QoS)
+    qos.prefetch_count = prefetch
+    qos._delivered = {str(i): None for i in range(n)}
+    qos._dirty = set()
+    return qos
+
+
+def test_can_consume_waits_for_half_the_prefetch_while_the_pool_is_busy(ready_pool: Any) -> None:
+    ready_pool.reserved_requests = {f"r{i}" for i in range(5)}
+    assert not qos_holding(5).can_consume()
+    assert qos_holding(4).can_consume()
+    assert not qos_holding(8).can_consume()
+
+
+def test_can_consume_claims_at_once_when_a_pool_process_may_idle(ready_pool: Any) -> None:
+    # Seven held, but only two runnable (the rest wait for their ETA): the
+    # pool of two could idle, so a free slot is filled at once.
+    ready_pool.reserved_requests = {"r0", "r1"}
+    assert qos_holding(7).can_consume()
+    assert not qos_holding(8).can_consume()
+
+
+def test_without_a_ready_worker_a_free_slot_is_enough(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(worker_state, "_pool", None)
+    assert qos_holding(7).can_consume()
+    assert qos_holding(0, prefetch=0).can_consume()
