@@ -86,11 +86,11 @@ class SettleBatcher:
     def ack(self, claims: Sequence[Claim]) -> None:
         """Ack finished claims (already forgotten by the keeper), now or within the delay."""
         if claims:
-            self._queue(self._acks, claims)
+            self._queue("ack", claims)
 
     def start(self, claim: Claim) -> None:
         """Record that a claim's task started, now or within the delay."""
-        self._queue(self._starts, [claim])
+        self._queue("start", [claim])
 
     def start_now(self, claim: Claim) -> None:
         """Record a start before the task's body runs, with every queued settle.
@@ -101,9 +101,11 @@ class SettleBatcher:
         """
         self.flush(start=claim)
 
-    def _queue(self, into: dict[str, Claim], claims: Sequence[Claim]) -> None:
+    def _queue(self, kind: str, claims: Sequence[Claim]) -> None:
         delay_ms = self.effective_delay_ms
         with self._lock:
+            # Looked up under the lock: a send takes the queues away and leaves new ones.
+            into = self._acks if kind == "ack" else self._starts
             for c in claims:
                 into[delivery_tag(c.job_id, c.token)] = c
             full = len(self._acks) + len(self._starts) >= SETTLE_BATCH

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -250,4 +251,35 @@ def test_queued_settles_are_sent_at_exit(redis_url: str, prefix: str, store: Job
         """
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert store.job("q", "a") == {}
+
+
+class _FlushFirst:
+    """A lock that lets another thread flush just before it is first taken."""
+
+    def __init__(self, lock: Any, flush: Callable[[], None]) -> None:
+        self._lock = lock
+        self._flush: Callable[[], None] | None = flush
+
+    def __enter__(self) -> Any:
+        flush, self._flush = self._flush, None
+        if flush is not None:
+            t = threading.Thread(target=flush)
+            t.start()
+            t.join()
+        return self._lock.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._lock.__exit__(*exc)
+
+
+def test_an_ack_queued_while_another_thread_flushes_is_not_lost(store: JobStore) -> None:
+    # A pool thread queues an ack while the timer thread takes the queue away
+    # to send it: the ack must land in the queue the next send takes.
+    b = deferring(60_000)
+    [claim] = claims_of(store, "q", ["a"])
+    b._lock = _FlushFirst(b._lock, b.flush)  # type: ignore[assignment]
+    b.ack([claim])
+    assert b.queued() == 1
+    b.flush()
     assert store.job("q", "a") == {}
