@@ -38,8 +38,8 @@ from .sweeper import Sweeper, sweep_thread
 from .worker_state import (
     CLAIM_HEADER,
     WORKER_LOST,
+    claim_at_once,
     install_worker_probes,
-    pool_may_idle,
     pop_mark,
     settled,
     started_delivery_tags,
@@ -88,17 +88,16 @@ class QoS(kombu_redis.QoS):
     def can_consume(self) -> bool:
         """Whether to wait for (and claim) more jobs now.
 
-        Every claim costs a round trip (two after an idle wait), so a worker
-        whose pool is busy tops up its prefetch in batches: it claims again
-        once half its prefetch is free. It does not wait while a pool process
-        may idle: when it holds no more runnable tasks than its pool runs at
-        once, it claims as soon as a slot is free.
+        Every claim costs a round trip (two after an idle wait), so a prefork
+        or solo worker whose pool is busy tops up its prefetch in batches: it
+        claims again once half its prefetch is free. It does not wait while a
+        pool process may idle (see :func:`claim_at_once`).
         """
         pcount = self.prefetch_count
         if not pcount:
             return True
         free = pcount - (len(self._delivered) - len(self._dirty))
-        return free > 0 and (free >= refill_at(pcount) or pool_may_idle())
+        return free > 0 and (free >= refill_at(pcount) or claim_at_once())
 
     def ack(self, delivery_tag: str) -> None:
         settled(delivery_tag)

@@ -22,8 +22,8 @@ from ._compat import keep_started_jobs_on_flush
 
 __all__ = [
     "Mark",
+    "claim_at_once",
     "install_worker_probes",
-    "pool_may_idle",
     "pop_mark",
     "settled",
     "started_delivery_tags",
@@ -368,16 +368,24 @@ def _on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
     batcher().deferring = True
 
 
-def pool_may_idle() -> bool:
-    """Whether the worker in this process holds no more runnable tasks than its pool runs.
+def claim_at_once() -> bool:
+    """Whether a free prefetch slot is to be filled now, not together with others.
 
-    Runnable: received and not finished, ETA tasks waiting in the timer left
-    out (Celery's ``reserved_requests``). True when no worker is ready here, or
-    its pool's size is unknown.
+    Not when a ready prefork or solo worker runs here and holds more runnable
+    tasks (received and not finished, ETA tasks waiting in the timer left out:
+    Celery's ``reserved_requests``) than its pool runs at once: no pool process
+    can idle then. Only these pools wake the worker's event loop when a task
+    finishes (prefork through its result pipes; solo runs tasks in the loop),
+    so a claim put off now is sure to be made soon. Threads, gevent and
+    eventlet claim whenever a slot is free.
     """
-    limit = getattr(_pool, "limit", None)
+    pool = _pool
+    limit = getattr(pool, "limit", None)
     state = sys.modules.get("celery.worker.state")
+    solo = sys.modules.get("celery.concurrency.solo")
     if not isinstance(limit, int) or limit <= 0 or state is None:
+        return True
+    if not (_is_prefork(pool) or (solo is not None and isinstance(pool, solo.TaskPool))):
         return True
     return len(getattr(state, "reserved_requests", ())) <= limit
 

@@ -101,8 +101,11 @@ def test_a_busy_worker_claims_again_once_half_its_prefetch_is_free() -> None:
 
 @pytest.fixture
 def ready_pool(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """A ready worker's pool of two, with Celery's reserved requests under the test's control."""
-    pool = SimpleNamespace(limit=2)
+    """A ready worker's prefork pool of two; Celery's reserved requests under the test's control."""
+    from celery.concurrency.prefork import TaskPool
+
+    pool = TaskPool.__new__(TaskPool)
+    pool.limit = 2
     monkeypatch.setattr(worker_state, "_pool", pool)
     state = SimpleNamespace(reserved_requests=set())
     monkeypatch.setitem(sys.modules, "celery.worker.state", state)
@@ -138,3 +141,17 @@ def test_without_a_ready_worker_a_free_slot_is_enough(monkeypatch: pytest.Monkey
     monkeypatch.setattr(worker_state, "_pool", None)
     assert qos_holding(7).can_consume()
     assert qos_holding(0, prefetch=0).can_consume()
+
+
+def test_a_threads_worker_claims_whenever_a_slot_is_free(
+    ready_pool: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A finished task does not wake the event loop of a threads worker: a claim
+    # put off could wait for the loop's next turn (up to a second).
+    from celery.concurrency.thread import TaskPool
+
+    pool = TaskPool.__new__(TaskPool)
+    pool.limit = 2
+    monkeypatch.setattr(worker_state, "_pool", pool)
+    ready_pool.reserved_requests = {f"r{i}" for i in range(7)}
+    assert qos_holding(7).can_consume()
