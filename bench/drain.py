@@ -7,6 +7,10 @@ between the transports so machine noise hits both alike. Prints a table and
 the emq/stock ratios (medians).
 
     python bench/drain.py --tasks 2000 --rounds 3 --concurrency 2
+
+With ``--roundtrips`` each round also counts the client round trips to Redis
+(``bench/roundtrips.py``) of the publishing process and of the worker (its main
+process and its pool children), and reports them per task.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import redis
@@ -31,6 +36,10 @@ def one_round(scheme: str, args: argparse.Namespace) -> dict[str, float]:
     )
     prefix = env["BENCH_PREFIX"]
     client = redis.Redis.from_url(env["BENCH_RECORD"])
+    # Outside the round's prefix: read after the worker exited and its keys went.
+    rt_key = f"benchrt{uuid.uuid4().hex[:8]}:"
+    if args.roundtrips:
+        env["BENCH_ROUNDTRIPS_URL"] = env["BENCH_RECORD"]
     # Publish from a child process so both transports pay the same import costs.
     publish = (
         "import time, bench.app as b\n"
@@ -44,7 +53,7 @@ def one_round(scheme: str, args: argparse.Namespace) -> dict[str, float]:
     out = subprocess.run(
         [sys.executable, "-c", publish],
         cwd=ROOT,
-        env=env,
+        env={**env, "BENCH_ROUNDTRIPS_KEY": rt_key + "publish"},
         capture_output=True,
         text=True,
         check=True,
@@ -52,7 +61,7 @@ def one_round(scheme: str, args: argparse.Namespace) -> dict[str, float]:
     )
     publish_s = float(out.stdout.strip().splitlines()[-1])
     mem_per_task = (client.info("memory")["used_memory"] - mem0) / args.tasks
-    with bench_worker(env, args.concurrency):
+    with bench_worker({**env, "BENCH_ROUNDTRIPS_KEY": rt_key + "worker"}, args.concurrency):
         deadline = time.monotonic() + args.timeout
         while int(client.get(prefix + "count") or 0) < args.tasks:
             if time.monotonic() > deadline:
@@ -60,11 +69,17 @@ def one_round(scheme: str, args: argparse.Namespace) -> dict[str, float]:
             time.sleep(0.05)
         first = float(client.get(prefix + "first") or 0)
         last = float(client.get(prefix + "last") or 0)
-    return {
+    res = {
         "drain_per_s": (args.tasks - 1) / (last - first),
         "publish_per_s": args.tasks / publish_s,
         "bytes_per_queued_task": mem_per_task,
     }
+    if args.roundtrips:
+        for side in ("publish", "worker"):
+            res[f"rt_{side}_per_task"] = int(client.get(rt_key + side) or 0) / args.tasks
+            client.delete(rt_key + side)
+        res["rt_per_task"] = res["rt_publish_per_task"] + res["rt_worker_per_task"]
+    return res
 
 
 def main() -> None:
@@ -77,6 +92,9 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=6379)
     ap.add_argument("--db", type=int, default=12)
     ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument(
+        "--roundtrips", action="store_true", help="count client round trips to Redis per task"
+    )
     args = ap.parse_args()
 
     results: dict[str, list[dict[str, float]]] = {"redis": [], "emq": []}
@@ -87,7 +105,14 @@ def main() -> None:
             print(
                 f"round {r + 1} {scheme:5}  drain {res['drain_per_s']:8.0f}/s  "
                 f"publish {res['publish_per_s']:8.0f}/s  "
-                f"{res['bytes_per_queued_task']:6.0f} B/queued task",
+                f"{res['bytes_per_queued_task']:6.0f} B/queued task"
+                + (
+                    f"  {res['rt_per_task']:5.2f} round trips/task "
+                    f"(publish {res['rt_publish_per_task']:.2f}, "
+                    f"worker {res['rt_worker_per_task']:.2f})"
+                    if args.roundtrips
+                    else ""
+                ),
                 flush=True,
             )
     print()
@@ -96,10 +121,14 @@ def main() -> None:
         f"{args.rounds} rounds, medians:"
     )
     print(f"{'metric':24} {'redis://':>12} {'emq://':>12} {'emq/stock':>10}")
-    for metric in ("drain_per_s", "publish_per_s", "bytes_per_queued_task"):
+    metrics = ["drain_per_s", "publish_per_s", "bytes_per_queued_task"]
+    if args.roundtrips:
+        metrics += ["rt_per_task", "rt_publish_per_task", "rt_worker_per_task"]
+    for metric in metrics:
         stock = statistics.median(x[metric] for x in results["redis"])
         emq = statistics.median(x[metric] for x in results["emq"])
-        print(f"{metric:24} {stock:12.0f} {emq:12.0f} {emq / stock:10.2f}")
+        digits = 2 if metric.startswith("rt_") else 0
+        print(f"{metric:24} {stock:12.{digits}f} {emq:12.{digits}f} {emq / stock:10.2f}")
 
 
 if __name__ == "__main__":

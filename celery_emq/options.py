@@ -44,6 +44,9 @@ class EmqOptions:
         sweep_batch: Most lapsed jobs one sweep script call examines.
         dead_max_size: Most dead jobs a queue's morgue keeps (0: no bound).
         dead_max_age_s: How long a dead job is kept (0: forever).
+        settle_delay_ms: How long, inside a running worker, an ack (or a start
+            record the worker writes for a prefork child) may wait for others
+            to be sent with it in one round trip; 0 sends each when made.
     """
 
     lease_ms: int = 30_000
@@ -55,6 +58,7 @@ class EmqOptions:
     sweep_batch: int = 500
     dead_max_size: int = 10_000
     dead_max_age_s: int = 7 * 86_400
+    settle_delay_ms: int = 5
 
     @classmethod
     def from_transport_options(cls, topts: Mapping[str, Any]) -> EmqOptions:
@@ -102,4 +106,7 @@ class EmqOptions:
             sweep_batch=_int(topts, "sweep_batch", cls.sweep_batch, 1, 1000),
             dead_max_size=_int(topts, "dead_max_size", cls.dead_max_size, 0, 100_000_000),
             dead_max_age_s=_int(topts, "dead_max_age_s", cls.dead_max_age_s, 0, 10 * 365 * 86_400),
+            settle_delay_ms=_int(
+                topts, "settle_delay_ms", cls.settle_delay_ms, 0, min(1000, lease_ms // 10)
+            ),
         )

@@ -7,10 +7,12 @@ Expected outcomes (not found, lease lost, duplicate, dead) come back as an
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
+
+from redis.exceptions import NoScriptError
 
 from .errors import ScriptContractError
 from .keys import QueueKeys
@@ -18,6 +20,7 @@ from .keys import QueueKeys
 __all__ = [
     "SCRIPT_NAMES",
     "UNSET",
+    "Batch",
     "Claimed",
     "Outcome",
     "Scripts",
@@ -126,6 +129,21 @@ def _outcome(reply: Any, script: str) -> Outcome:
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _start_call(k: QueueKeys, job_id: str, token: int) -> tuple[list[str], list[Any]]:
+    return [k.job(job_id)], [token]
+
+
+def _ack_call(k: QueueKeys, chunk: Sequence[tuple[str, int]]) -> tuple[list[str], list[Any]]:
+    keys = [k.active, k.pending, k.wake, k.dead, k.metrics("completed"), k.base]
+    return keys, [x for claim in chunk for x in claim]
+
+
+def _ack_outcomes(reply: Any, expected: int) -> list[Outcome]:
+    if len(reply) != expected:
+        raise ScriptContractError(f"ack.lua answered {len(reply)} codes")
+    return [_outcome(code, "ack") for code in reply]
 
 
 class Scripts:
@@ -241,22 +259,19 @@ class Scripts:
 
     def start(self, k: QueueKeys, job_id: str, token: int) -> Outcome:
         """Record that the claim ``token`` of a job started its task."""
-        return _outcome(self._run("start", [k.job(job_id)], [token]), "start")
+        return _outcome(self._run("start", *_start_call(k, job_id, token)), "start")
 
     def ack(self, k: QueueKeys, claims: Sequence[tuple[str, int]]) -> list[Outcome]:
         """Delete finished jobs, each named by its claim (id, token); one outcome each."""
         outcomes: list[Outcome] = []
         for start in range(0, len(claims), ACK_BATCH):
             chunk = claims[start : start + ACK_BATCH]
-            reply = self._run(
-                "ack",
-                [k.active, k.pending, k.wake, k.dead, k.metrics("completed"), k.base],
-                [x for claim in chunk for x in claim],
-            )
-            if len(reply) != len(chunk):
-                raise ScriptContractError(f"ack.lua answered {len(reply)} codes")
-            outcomes.extend(_outcome(code, "ack") for code in reply)
+            outcomes.extend(_ack_outcomes(self._run("ack", *_ack_call(k, chunk)), len(chunk)))
         return outcomes
+
+    def batch(self) -> Batch:
+        """Return an empty :class:`Batch` of script calls on this client."""
+        return Batch(self)
 
     def release(
         self, k: QueueKeys, job_id: str, token: int, unless_started: bool = False
@@ -417,3 +432,88 @@ class Scripts:
             chunk = job_ids[start : start + MORGUE_BATCH]
             n += int(self._run("purge_dead", [k.dead, k.base], list(chunk)))
         return n
+
+
+class Batch:
+    """Script calls on one client sent together: one round trip for the lot.
+
+    A non-transactional pipeline of ``EVALSHA`` calls: each script stays atomic
+    on its own, and one call's error (or a script the server lost after a
+    ``SCRIPT FLUSH`` or a restart, which is loaded and run again alone) leaves
+    the others' results standing. redis-py's pipeline would ask ``SCRIPT
+    EXISTS`` first, a round trip of its own on every send: the calls here go
+    as plain ``EVALSHA`` instead.
+
+    Each method queues one transition and returns a handle; :meth:`execute`
+    sends them all, after which :meth:`result` returns a handle's outcome or
+    raises the error its call met.
+    """
+
+    def __init__(self, scripts: Scripts) -> None:
+        self._scripts = scripts
+        self._calls: list[tuple[str, list[str], list[Any]]] = []
+        self._replies: list[Any] = []
+        #: Per handle: the indices of its calls and how to read their replies.
+        self._handles: list[tuple[list[int], Callable[[list[Any]], Any]]] = []
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    def _add(self, calls: list[tuple[str, list[str], list[Any]]], read: Callable[..., Any]) -> int:
+        first = len(self._calls)
+        self._calls.extend(calls)
+        self._handles.append((list(range(first, len(self._calls))), read))
+        return len(self._handles) - 1
+
+    def start(self, k: QueueKeys, job_id: str, token: int) -> int:
+        """Queue :meth:`Scripts.start`; its result is an :class:`Outcome`."""
+        return self._add(
+            [("start", *_start_call(k, job_id, token))],
+            lambda replies: _outcome(replies[0], "start"),
+        )
+
+    def ack(self, k: QueueKeys, claims: Sequence[tuple[str, int]]) -> int:
+        """Queue :meth:`Scripts.ack`; its result is one :class:`Outcome` per claim."""
+        chunks = [claims[i : i + ACK_BATCH] for i in range(0, len(claims), ACK_BATCH)]
+
+        def read(replies: list[Any]) -> list[Outcome]:
+            return [
+                o
+                for reply, chunk in zip(replies, chunks, strict=True)
+                for o in _ack_outcomes(reply, len(chunk))
+            ]
+
+        return self._add([("ack", *_ack_call(k, chunk)) for chunk in chunks], read)
+
+    def execute(self) -> None:
+        """Send every queued call in one round trip.
+
+        Raises:
+            redis.RedisError: the round trip itself failed (nothing is known
+                of any call: each may or may not have run).
+        """
+        if not self._calls:
+            return
+        scripts = self._scripts._scripts
+        client = self._scripts._client
+        with client.pipeline(transaction=False) as pipe:
+            for name, keys, args in self._calls:
+                pipe.execute_command("EVALSHA", scripts[name].sha, len(keys), *keys, *args)
+            replies = pipe.execute(raise_on_error=False)
+        for i, reply in enumerate(replies):
+            if isinstance(reply, NoScriptError):
+                name, keys, args = self._calls[i]
+                try:
+                    replies[i] = self._scripts._run(name, keys, args)
+                except Exception as exc:
+                    replies[i] = exc
+        self._replies = replies
+
+    def result(self, handle: int) -> Any:
+        """Return what the call queued as ``handle`` answered, or raise its error."""
+        indices, read = self._handles[handle]
+        replies = [self._replies[i] for i in indices]
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return read(replies)

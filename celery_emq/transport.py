@@ -28,15 +28,17 @@ from kombu.utils.json import dumps, loads
 from ._compat import ChannelCompat
 from .codec import unpack
 from .errors import BrokerFullError
-from .lease import Claim, keeper
+from .lease import keeper
 from .options import EmqOptions
 from .scripts import UNSET, Claimed, Outcome, Unset
 from .server import check_server
+from .settle import batcher
 from .store import JobStore
 from .sweeper import Sweeper, sweep_thread
 from .worker_state import (
     CLAIM_HEADER,
     WORKER_LOST,
+    claim_at_once,
     install_worker_probes,
     pop_mark,
     settled,
@@ -83,6 +85,20 @@ class QoS(kombu_redis.QoS):
     def append(self, message: Any, delivery_tag: str) -> None:
         virtual.QoS.append(self, message, delivery_tag)
 
+    def can_consume(self) -> bool:
+        """Whether to wait for (and claim) more jobs now.
+
+        Every claim costs a round trip (two after an idle wait), so a prefork
+        or solo worker whose pool is busy tops up its prefetch in batches: it
+        claims again once half its prefetch is free. It does not wait while a
+        pool process may idle (see :func:`claim_at_once`).
+        """
+        pcount = self.prefetch_count
+        if not pcount:
+            return True
+        free = pcount - (len(self._delivered) - len(self._dirty))
+        return free > 0 and (free >= refill_at(pcount) or claim_at_once())
+
     def ack(self, delivery_tag: str) -> None:
         settled(delivery_tag)
         if not self._settle_marked(delivery_tag):
@@ -121,6 +137,9 @@ class QoS(kombu_redis.QoS):
         keeper, which goes on renewing it until the task acks.
         """
         self._flush()
+        # Start records queued for prefork children go first: the recorded
+        # start decides what stays held below.
+        batcher().flush()
         started = started_delivery_tags()
         # A prefork child may have started one before the worker heard of it:
         # the recorded start decides, and such a claim stays held.
@@ -325,6 +344,8 @@ class Channel(ChannelCompat, kombu_redis.Channel):
         self._accept[queue] = getattr(getattr(callback, "__self__", None), "accept", None)
         ret = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
         if not no_ack and queue not in self._fanout_queues:
+            # Inside a worker, once it is ready, settles wait this long for company.
+            batcher().delay_ms = self.emq.settle_delay_ms
             # A consuming process sweeps what it consumes: recovery needs no
             # other process.
             self._register(queue)
@@ -533,35 +554,9 @@ class Channel(ChannelCompat, kombu_redis.Channel):
         self._settle_many([tag])
 
     def _settle_many(self, tags: list[str]) -> None:
-        by_queue: dict[tuple[int, str], list[Claim]] = {}
-        for tag in tags:
-            claim = keeper().forget(tag)
-            if claim is not None:
-                by_queue.setdefault((id(claim.store), claim.queue), []).append(claim)
-        for claims in by_queue.values():
-            store, queue = claims[0].store, claims[0].queue
-            try:
-                outcomes = store.ack_many(queue, [(c.job_id, c.token) for c in claims])
-            except redis.RedisError as exc:
-                # The tasks finished: their claims stay held and renewed, and
-                # the keeper acks them once Redis answers again.
-                keeper().owe_acks(claims)
-                logger.warning(
-                    "celery_emq: ack of %d job(s) in %s failed (%r); retried by the lease keeper",
-                    len(claims),
-                    queue,
-                    exc,
-                )
-                continue
-            for claim, outcome in zip(claims, outcomes, strict=True):
-                if outcome is not Outcome.OK:
-                    logger.warning(
-                        "celery_emq: ack of %s in %s (claim %d): %s",
-                        claim.job_id,
-                        queue,
-                        claim.token,
-                        _ACK_OUTCOMES.get(outcome, outcome.name),
-                    )
+        """Ack deliveries: at once, or inside a worker with other settles (see settle.py)."""
+        claims = [c for c in map(keeper().forget, tags) if c is not None]
+        batcher().ack(claims)
 
     def _release(self, tag: str, unless_started: bool = False) -> None:
         keeper().release(tag, unless_started)
@@ -605,6 +600,9 @@ class Channel(ChannelCompat, kombu_redis.Channel):
         self.store.purge(queue)
 
     def close(self) -> None:
+        # Nothing this process settled may wait past the close (a warm
+        # shutdown, a reconnect): queued acks and start records go now.
+        batcher().flush()
         if self._in_poll:
             # A BRPOP is in flight: read its reply without claiming, and give a
             # popped marker back so another consumer wakes for that job.
@@ -623,13 +621,6 @@ class Channel(ChannelCompat, kombu_redis.Channel):
 
 #: Servers this process has checked (host, port, db): one warning each.
 _checked_servers: set[tuple[Any, Any, Any]] = set()
-
-_ACK_OUTCOMES = {
-    Outcome.LEASE_LOST: "the lease had lapsed; the job completed, so it was deleted from pending",
-    Outcome.DEAD: "the lease had lapsed; the job completed, so it left the morgue",
-    Outcome.FENCED: "a newer claim holds the job; left to it, marked completed",
-    Outcome.NOT_FOUND: "already gone",
-}
 
 
 #: Message properties the job's key already holds (not stored in the message).
@@ -667,6 +658,11 @@ def _remember_revoked(task_id: Any) -> None:
     state = sys.modules.get("celery.worker.state")
     if state is not None and isinstance(task_id, str):
         state.revoked.add(task_id)
+
+
+def refill_at(prefetch: int) -> int:
+    """Return how many prefetch slots a busy worker lets free before it claims again."""
+    return max(1, prefetch // 2)
 
 
 def _queue_ttl_ms(kwargs: dict[str, Any]) -> int:

@@ -20,7 +20,14 @@ from typing import Any, NamedTuple
 
 from ._compat import keep_started_jobs_on_flush
 
-__all__ = ["Mark", "install_worker_probes", "pop_mark", "settled", "started_delivery_tags"]
+__all__ = [
+    "Mark",
+    "claim_at_once",
+    "install_worker_probes",
+    "pop_mark",
+    "settled",
+    "started_delivery_tags",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +159,7 @@ def install_worker_probes() -> None:
     _install_revoke_probe()
     _install_start_recorder()
     _install_submit_probe()
+    _install_accept_probe()
     keep_started_jobs_on_flush()
 
 
@@ -292,23 +300,94 @@ def promote_revoked(app: Any, task_ids: list[str]) -> int:
     return sum(store.promote_tasks(q, task_ids) for q in store.queues())
 
 
+def _install_accept_probe() -> None:
+    """Record, in the worker, the start of a job a prefork child accepted.
+
+    The child tells the worker when it accepts a job, before it runs the task
+    (``Request.on_accepted``); the worker records the start then, queued with
+    its acks (see settle.py), instead of the child making a round trip of its
+    own before every task. A child that dies under its task does not need the
+    record: the worker charges that claim a stall itself (``worker_lost``).
+    """
+    from celery.worker.request import Request
+
+    _wrap(Request, "on_accepted", lambda self, *args: _note_accepted(self))
+
+
+def _note_accepted(request: Any) -> None:
+    from .lease import keeper
+    from .settle import batcher
+
+    tag = getattr(getattr(request, "message", None), "delivery_tag", None)
+    if not isinstance(tag, str):
+        return
+    with _submitted_lock:
+        job = _submitted.get(tag)
+    if job is None:
+        # Not a prefork job: its task records its own start before its body runs.
+        return
+    claim = keeper().get(tag)
+    if claim is not None:
+        batcher().start(claim)
+
+
 def _install_start_recorder() -> None:
-    """Record, in the process that runs a task, that its claim started (``task_prerun``).
+    """Record that a claim's task started, before its body runs, where the claim is held.
 
     A lapsed claim is charged a stall only when its task had started: a worker
-    killed with prefetched tasks requeues those uncounted.
+    killed with prefetched tasks requeues those uncounted. Under solo, threads,
+    gevent and eventlet the task runs in the process that holds its claim, and
+    the record (with the acks queued so far) is sent from ``task_prerun``; a
+    prefork child holds no claim, and its worker records the start when it
+    hears the child accepted the job (:func:`_install_accept_probe`).
     """
     global _start_recorder_installed
     if _start_recorder_installed:
         return
-    from celery.signals import task_prerun, task_success
+    from celery.signals import task_prerun, task_success, worker_ready
 
     task_prerun.connect(_record_start, weak=False, dispatch_uid="celery_emq.record_start")
     task_success.connect(_ack_success, weak=False, dispatch_uid="celery_emq.ack_success")
+    worker_ready.connect(_on_worker_ready, weak=False, dispatch_uid="celery_emq.worker_ready")
     _start_recorder_installed = True
 
 
 _start_recorder_installed = False
+
+
+#: The pool of the Celery worker running in this process, once it is ready.
+_pool: Any = None
+
+
+def _on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
+    """Note the worker's pool; let settles wait for company (``settle_delay_ms``)."""
+    from .settle import batcher
+
+    global _pool
+    _pool = getattr(sender, "pool", None)
+    batcher().deferring = True
+
+
+def claim_at_once() -> bool:
+    """Whether a free prefetch slot is to be filled now, not together with others.
+
+    Not when a ready prefork or solo worker runs here and holds more runnable
+    tasks (received and not finished, ETA tasks waiting in the timer left out:
+    Celery's ``reserved_requests``) than its pool runs at once: no pool process
+    can idle then. Only these pools wake the worker's event loop when a task
+    finishes (prefork through its result pipes; solo runs tasks in the loop),
+    so a claim put off now is sure to be made soon. Threads, gevent and
+    eventlet claim whenever a slot is free.
+    """
+    pool = _pool
+    limit = getattr(pool, "limit", None)
+    state = sys.modules.get("celery.worker.state")
+    solo = sys.modules.get("celery.concurrency.solo")
+    if not isinstance(limit, int) or limit <= 0 or state is None:
+        return True
+    if not (_is_prefork(pool) or (solo is not None and isinstance(pool, solo.TaskPool))):
+        return True
+    return len(getattr(state, "reserved_requests", ())) <= limit
 
 
 def _request_claim(task: Any) -> tuple[str, str, int] | None:
@@ -322,41 +401,45 @@ def _request_claim(task: Any) -> tuple[str, str, int] | None:
 
 def _record_start(sender: Any = None, task: Any = None, **kwargs: Any) -> None:
     from .lease import delivery_tag, keeper
+    from .settle import batcher
 
     claim = _request_claim(task)
     if claim is None:
         return
-    queue, job_id, token = claim
+    _queue, job_id, token = claim
+    held = keeper().get(delivery_tag(job_id, token))
+    if held is None:
+        # A prefork child (its worker records the start, see on_accepted), or
+        # a claim already settled (a task acked before it runs).
+        return
     try:
-        held = keeper().get(delivery_tag(job_id, token))
-        # The worker's own process holds the claim (solo, threads, gevent); a
-        # prefork child records through a store of its own.
-        store = held.store if held is not None else _child_store(task.app)
-        if store is not None:
-            store.start(queue, job_id, token)
+        batcher().start_now(held)
     except Exception:
         logger.warning(
             "celery_emq: could not record the start of job %s in %s; if its worker "
             "dies now, the job is requeued without counting a stall",
             job_id,
-            queue,
+            held.queue,
             exc_info=True,
         )
 
 
 def _ack_success(sender: Any = None, **kwargs: Any) -> None:
-    """Ack at once a succeeded ``acks_late`` task whose claim this very process holds.
+    """Ack a succeeded ``acks_late`` task whose claim this very process holds.
 
     Under solo, threads or gevent a task runs in the process that holds its
     claim, and Celery defers its ack to the next turn of the event loop: a
     whole claimed batch can run before any of its acks is sent. A task later
     in the batch that kills the worker would then leave the earlier, finished
-    tasks to be charged a stall and run again. Acking here, from Celery's
-    ``task_success`` (sent only once the result is stored), leaves Celery's
-    own ack nothing to do. (A prefork child does not hold the claim; its
+    tasks to be charged a stall and run again. The ack is queued here, from
+    Celery's ``task_success`` (sent only once the result is stored), and the
+    next task's start record carries it to Redis before that task's body runs
+    (or the batcher sends it within ``settle_delay_ms``); Celery's own ack then
+    has nothing left to do. (A prefork child does not hold the claim; its
     worker acks as soon as the result comes back.)
     """
     from .lease import delivery_tag, keeper
+    from .settle import batcher
 
     task = sender
     if not getattr(task, "acks_late", False):
@@ -366,21 +449,18 @@ def _ack_success(sender: Any = None, **kwargs: Any) -> None:
         return
     _queue, job_id, token = claim
     held = keeper().forget(delivery_tag(job_id, token))
-    if held is None:
-        return
-    try:
-        held.store.ack(held.queue, held.job_id, held.token)
-    except Exception:
-        # Held again so that Celery's own ack settles it.
-        keeper().hold(held.store, held.queue, [(held.job_id, held.token)], keeper().interval_ms)
-        logger.warning("celery_emq: early ack of job %s failed", job_id, exc_info=True)
+    if held is not None:
+        batcher().ack([held])
 
 
 _child_stores: dict[int, Any] = {}
 
 
 def _child_store(app: Any) -> Any:
-    """Return a job store of this process's own, opened once from the app's broker."""
+    """Return a job store of this process's own, opened once from the app's broker.
+
+    For what a process does outside the claims it holds (a revoke's promotion).
+    """
     entry = _child_stores.get(id(app))
     if entry is None:
         from .transport import Channel

@@ -7,10 +7,11 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from celery.signals import task_postrun, task_success
+from celery.signals import task_postrun, task_prerun, task_success
 
 from celery_emq import worker_state
 from celery_emq.lease import keeper
+from celery_emq.settle import batcher
 from celery_emq.store import JobStore
 
 
@@ -47,3 +48,33 @@ def test_postrun_alone_does_not_ack(held: tuple[Any, str], store: JobStore) -> N
     task_postrun.send(sender=job, task_id="t", task=job, state="SUCCESS", retval=None)
     assert store.job("q", "a")["state"] == "active"
     assert keeper().get(tag) is not None
+
+
+def test_in_a_ready_worker_the_ack_goes_with_the_next_start(
+    held: tuple[Any, str], store: JobStore
+) -> None:
+    # Deferred for company, the ack of a finished task must still reach Redis
+    # before the next task's body runs: that task may kill the process.
+    job, tag = held
+    b = batcher()
+    saved = (b.delay_ms, b.deferring)
+    b.delay_ms, b.deferring = 60_000, True
+    store.enqueue("q", "next", b"{}")
+    [nxt] = store.claim("q", "w")
+    [next_tag] = keeper().hold(store, "q", [(nxt.id, nxt.deliveries)], 10_000)
+    try:
+        task_success.send(sender=job, result=None)
+        assert keeper().get(tag) is None
+        assert store.job("q", "a")["state"] == "active"  # queued, not sent
+        job.push_request(emq_claim=["q", "next", nxt.deliveries])
+        try:
+            task_prerun.send(sender=job, task_id="t2", task=job)
+        finally:
+            job.pop_request()
+        assert store.job("q", "a") == {}
+        assert store.job("q", "next")["started"] == str(nxt.deliveries)
+        assert b.queued() == 0
+    finally:
+        b.flush()
+        b.delay_ms, b.deferring = saved
+        keeper().forget(next_tag)

@@ -1,0 +1,283 @@
+"""Settles sent together: one round trip carries a process's acks and start records.
+
+Inside a Celery worker an ack need not reach Redis the moment Celery sends it:
+the lease still covers the job. The process-wide :class:`SettleBatcher` queues
+acks, and the start records a worker writes for its prefork children, for up to
+``settle_delay_ms`` and sends what it holds together: one ``ack`` script call per
+queue and one ``start`` call per record, in one pipeline per store (one round
+trip). It sends at once when it holds :data:`SETTLE_BATCH` settles, when a
+channel closes, when the process exits, and when a task is about to run in the
+process that holds its claim: that start record must reach Redis before the
+task's body runs, and it carries the queued acks with it.
+
+Outside a running worker (a plain kombu consumer, the CLI, a test) nothing
+waits: each settle is sent when it is made, as before.
+
+Every queued settle names its claim (job id and token), exactly as a single
+one does: a settle sent late is fenced like one sent early. An ack that cannot
+be sent goes to the lease keeper's owed acks (:meth:`LeaseKeeper.owe_acks`):
+the claim is held and renewed until an ack gets through.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import redis
+
+from .lease import Claim, delivery_tag, keeper
+from .scripts import Outcome
+
+if TYPE_CHECKING:
+    from .scripts import Batch
+    from .store import JobStore
+
+__all__ = ["SETTLE_BATCH", "SettleBatcher", "batcher"]
+
+logger = logging.getLogger(__name__)
+
+#: Settles queued at which the batcher sends at once, whatever the delay.
+SETTLE_BATCH = 128
+
+_ACK_OUTCOMES = {
+    Outcome.LEASE_LOST: "the lease had lapsed; the job completed, so it was deleted from pending",
+    Outcome.DEAD: "the lease had lapsed; the job completed, so it left the morgue",
+    Outcome.FENCED: "a newer claim holds the job; left to it, marked completed",
+    Outcome.NOT_FOUND: "already gone",
+}
+
+
+class SettleBatcher:
+    """Queues a process's acks and start records and sends them in one round trip."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._due_changed = threading.Condition(self._lock)
+        # One send at a time, so what was queued first reaches Redis first.
+        self._send_lock = threading.Lock()
+        self._acks: dict[str, Claim] = {}
+        self._starts: dict[str, Claim] = {}
+        #: When the queued settles must be sent (monotonic seconds), if any are.
+        self._due: float | None = None
+        self._thread: threading.Thread | None = None
+        #: The delay a worker's channels asked for (``settle_delay_ms``).
+        self.delay_ms = 0
+        #: Whether settles wait for company: set once the worker is ready.
+        self.deferring = False
+        #: Round trips sent (one per store per send), for tests and curiosity.
+        self.sends = 0
+
+    @property
+    def effective_delay_ms(self) -> int:
+        """How long a settle waits for company now (0: sent when made)."""
+        return self.delay_ms if self.deferring else 0
+
+    def queued(self) -> int:
+        """Return how many settles wait to be sent."""
+        with self._lock:
+            return len(self._acks) + len(self._starts)
+
+    def ack(self, claims: Sequence[Claim]) -> None:
+        """Ack finished claims (already forgotten by the keeper), now or within the delay."""
+        if claims:
+            self._queue("ack", claims)
+
+    def start(self, claim: Claim) -> None:
+        """Record that a claim's task started, now or within the delay."""
+        self._queue("start", [claim])
+
+    def start_now(self, claim: Claim) -> None:
+        """Record a start before the task's body runs, with every queued settle.
+
+        Under solo, threads, gevent or eventlet the task runs in the process
+        that holds its claim, and a task that kills its process kills the
+        batcher too: the record must be in Redis before the body starts.
+        """
+        self.flush(start=claim)
+
+    def _queue(self, kind: str, claims: Sequence[Claim]) -> None:
+        delay_ms = self.effective_delay_ms
+        with self._lock:
+            # Looked up under the lock: a send takes the queues away and leaves new ones.
+            into = self._acks if kind == "ack" else self._starts
+            for c in claims:
+                into[delivery_tag(c.job_id, c.token)] = c
+            full = len(self._acks) + len(self._starts) >= SETTLE_BATCH
+            if delay_ms > 0 and not full:
+                due = time.monotonic() + delay_ms / 1000
+                if self._due is None or due < self._due:
+                    self._due = due
+                    self._due_changed.notify()
+                if self._thread is None or not self._thread.is_alive():
+                    self._thread = threading.Thread(
+                        target=self._run, name="celery_emq-settle", daemon=True
+                    )
+                    self._thread.start()
+                return
+        self.flush()
+
+    def flush(self, start: Claim | None = None) -> None:
+        """Send every queued settle now (and ``start``), one round trip per store."""
+        with self._send_lock:
+            with self._lock:
+                acks, self._acks = self._acks, {}
+                starts, self._starts = self._starts, {}
+                self._due = None
+            if start is not None:
+                starts[delivery_tag(start.job_id, start.token)] = start
+            for tag in acks:
+                # The task finished: its start no longer matters.
+                starts.pop(tag, None)
+            if acks or starts:
+                self._send(list(acks.values()), list(starts.values()))
+
+    def _send(self, acks: list[Claim], starts: list[Claim]) -> None:
+        by_store: dict[int, _StoreSend] = {}
+        for c in starts:
+            entry = by_store.setdefault(id(c.store), _StoreSend(c.store))
+            entry.starts.append((c, entry.batch.start(c.store.keys(c.queue), c.job_id, c.token)))
+        by_queue: dict[tuple[int, str], list[Claim]] = {}
+        for c in acks:
+            by_queue.setdefault((id(c.store), c.queue), []).append(c)
+        for (store_id, queue), claims in by_queue.items():
+            entry = by_store.setdefault(store_id, _StoreSend(claims[0].store))
+            pairs = [(c.job_id, c.token) for c in claims]
+            entry.acks.append((queue, claims, entry.batch.ack(entry.store.keys(queue), pairs)))
+        for entry in by_store.values():
+            self.sends += 1
+            try:
+                entry.batch.execute()
+            except redis.RedisError as exc:
+                for queue, claims, _ in entry.acks:
+                    _owe(queue, claims, exc)
+                for claim, _ in entry.starts:
+                    _start_failed(claim, exc)
+                continue
+            for queue, claims, handle in entry.acks:
+                try:
+                    outcomes = entry.batch.result(handle)
+                except redis.RedisError as exc:
+                    _owe(queue, claims, exc)
+                    continue
+                except Exception:
+                    logger.exception(
+                        "celery_emq: ack of %d job(s) in %s failed", len(claims), queue
+                    )
+                    continue
+                _log_ack_outcomes(queue, claims, outcomes)
+            for claim, handle in entry.starts:
+                try:
+                    outcome = entry.batch.result(handle)
+                except Exception as exc:
+                    _start_failed(claim, exc)
+                    continue
+                if outcome is not Outcome.OK:
+                    logger.debug(
+                        "celery_emq: start of %s in %s (claim %d) not recorded: %s",
+                        claim.job_id,
+                        claim.queue,
+                        claim.token,
+                        outcome.name,
+                    )
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while self._due is None:
+                    self._due_changed.wait()
+                wait_s = self._due - time.monotonic()
+                if wait_s > 0:
+                    self._due_changed.wait(wait_s)
+                    continue
+            try:
+                self.flush()
+            except Exception:
+                logger.exception("celery_emq: sending queued settles failed")
+
+
+class _StoreSend:
+    """What one send carries to one store."""
+
+    def __init__(self, store: JobStore) -> None:
+        self.store = store
+        self.batch: Batch = store.scripts.batch()
+        self.acks: list[tuple[str, list[Claim], int]] = []
+        self.starts: list[tuple[Claim, int]] = []
+
+
+def _owe(queue: str, claims: list[Claim], exc: Exception) -> None:
+    # The tasks finished: their claims stay held and renewed, and the keeper
+    # acks them once Redis answers again.
+    keeper().owe_acks(claims)
+    logger.warning(
+        "celery_emq: ack of %d job(s) in %s failed (%r); retried by the lease keeper",
+        len(claims),
+        queue,
+        exc,
+    )
+
+
+def _start_failed(claim: Claim, exc: Any) -> None:
+    logger.warning(
+        "celery_emq: could not record the start of job %s in %s (%r); if its worker "
+        "dies now, the job is requeued without counting a stall",
+        claim.job_id,
+        claim.queue,
+        exc,
+    )
+
+
+def _log_ack_outcomes(queue: str, claims: list[Claim], outcomes: list[Outcome]) -> None:
+    for claim, outcome in zip(claims, outcomes, strict=True):
+        if outcome is not Outcome.OK:
+            logger.warning(
+                "celery_emq: ack of %s in %s (claim %d): %s",
+                claim.job_id,
+                queue,
+                claim.token,
+                _ACK_OUTCOMES.get(outcome, outcome.name),
+            )
+
+
+_batcher: SettleBatcher | None = None
+_batcher_lock = threading.Lock()
+
+
+_exit_hook = False
+
+
+def batcher() -> SettleBatcher:
+    """Return the process-wide settle batcher (what it holds is sent at exit)."""
+    global _batcher, _exit_hook
+    with _batcher_lock:
+        if _batcher is None:
+            _batcher = SettleBatcher()
+            if not _exit_hook:
+                atexit.register(_flush_at_exit)
+                _exit_hook = True
+        return _batcher
+
+
+def _flush_at_exit() -> None:
+    if _batcher is not None:
+        try:
+            _batcher.flush()
+        except Exception:
+            logger.exception("celery_emq: sending queued settles at exit failed")
+
+
+def _after_fork_in_child() -> None:
+    # What the parent queued is the parent's to send; the child starts empty
+    # (and, until its own worker is ready, sends each settle when made).
+    global _batcher, _batcher_lock
+    _batcher = None
+    _batcher_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,285 @@
+"""The settle batcher: acks and start records sent together, in one round trip."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from redis.connection import AbstractConnection
+
+from celery_emq import settle
+from celery_emq.lease import Claim, LeaseKeeper
+from celery_emq.scripts import Batch, Outcome
+from celery_emq.settle import SETTLE_BATCH, SettleBatcher
+from celery_emq.store import JobStore
+from tests.conftest import ManualKeeper, bulk_enqueue
+
+ROUND_TRIP_WAIT_S = 5
+
+
+@pytest.fixture
+def owed_to(monkeypatch: pytest.MonkeyPatch) -> LeaseKeeper:
+    """The keeper a failed ack is owed to (a manual one, not the process's own)."""
+    k = ManualKeeper("me")
+    monkeypatch.setattr(settle, "keeper", lambda: k)
+    return k
+
+
+@pytest.fixture
+def round_trips(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Every command (or whole pipeline) this process sends from now on: one round trip each."""
+    sent: list[bytes] = []
+    original = AbstractConnection.send_packed_command
+
+    def counted(self: Any, command: Any, check_health: bool = True) -> Any:
+        head = command if isinstance(command, bytes) else b"".join(command)
+        sent.append(head)
+        return original(self, command, check_health)
+
+    monkeypatch.setattr(AbstractConnection, "send_packed_command", counted)
+    return sent
+
+
+def claims_of(store: JobStore, queue: str, ids: list[str]) -> list[Claim]:
+    for job_id in ids:
+        store.enqueue(queue, job_id, b"{}")
+    claimed = store.claim(queue, "me", count=len(ids))
+    assert [c.id for c in claimed] == ids
+    return [Claim(store, queue, c.id, c.deliveries) for c in claimed]
+
+
+def deferring(delay_ms: int) -> SettleBatcher:
+    b = SettleBatcher()
+    b.delay_ms = delay_ms
+    b.deferring = True
+    return b
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = ROUND_TRIP_WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def test_outside_a_worker_an_ack_is_sent_when_made(store: JobStore) -> None:
+    b = SettleBatcher()
+    b.delay_ms = 60_000  # a consuming channel asked for it, but no worker is ready here
+    [claim] = claims_of(store, "q", ["a"])
+    b.ack([claim])
+    assert store.job("q", "a") == {}
+    assert b.queued() == 0
+
+
+def test_deferred_settles_wait_then_go_together_in_one_round_trip(
+    store: JobStore, round_trips: list[bytes]
+) -> None:
+    b = deferring(200)
+    a1, a2 = claims_of(store, "q1", ["a1", "a2"])
+    [b1] = claims_of(store, "q2", ["b1"])
+    [s1] = claims_of(store, "q2", ["s1"])
+    round_trips.clear()
+    b.ack([a1])
+    b.ack([a2])
+    b.ack([b1])
+    b.start(s1)
+    assert b.queued() == 4
+    assert round_trips == []
+    assert store.job("q1", "a1")["state"] == "active"
+    wait_until(lambda: store.job("q2", "b1") == {} and store.job("q1", "a2") == {})
+    # Two queues' acks and a start record: one pipeline, one round trip (the
+    # test's own reads are the other round trips).
+    [sent] = [r for r in round_trips if b"EVALSHA" in r]
+    assert sent.count(b"EVALSHA") == 3
+    assert store.counts("q1") == {"pending": 0, "active": 0, "dead": 0}
+    assert store.counts("q2") == {"pending": 0, "active": 1, "dead": 0}
+    assert store.job("q2", "s1")["started"] == str(s1.token)
+    assert store.metrics("q1")["completed"] == 2
+    assert store.metrics("q2")["completed"] == 1
+    assert b.sends == 1
+
+
+def test_a_full_batch_is_sent_at_once(store: JobStore) -> None:
+    b = deferring(60_000)
+    ids = bulk_enqueue(store, "q", SETTLE_BATCH)
+    claimed = store.claim("q", "me", count=SETTLE_BATCH)
+    claims = [Claim(store, "q", c.id, c.deliveries) for c in claimed]
+    for claim in claims[:-1]:
+        b.ack([claim])
+    assert store.counts("q")["active"] == len(ids)
+    b.ack([claims[-1]])
+    # No wait for the delay: the batch was full.
+    assert b.queued() == 0
+    assert store.counts("q") == {"pending": 0, "active": 0, "dead": 0}
+    assert b.sends == 1
+
+
+def test_a_start_sent_now_carries_the_queued_acks(
+    store: JobStore, round_trips: list[bytes]
+) -> None:
+    b = deferring(60_000)
+    done, running = claims_of(store, "q", ["done", "running"])
+    b.ack([done])
+    round_trips.clear()
+    b.start_now(running)
+    assert len(round_trips) == 1
+    assert store.job("q", "done") == {}
+    assert store.job("q", "running")["started"] == str(running.token)
+    assert b.queued() == 0
+
+
+def test_the_start_of_a_task_acked_in_the_same_batch_is_not_sent(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    starts: list[str] = []
+    original = Batch.start
+
+    def start(self: Batch, k: Any, job_id: str, token: int) -> int:
+        starts.append(job_id)
+        return original(self, k, job_id, token)
+
+    monkeypatch.setattr(Batch, "start", start)
+    b = deferring(60_000)
+    finished, running = claims_of(store, "q", ["finished", "running"])
+    b.start(finished)
+    b.start(running)
+    b.ack([finished])
+    b.flush()
+    assert starts == ["running"]
+    assert store.job("q", "finished") == {}
+    assert store.job("q", "running")["started"] == str(running.token)
+
+
+def test_an_ack_that_cannot_be_sent_is_owed_to_the_keeper(
+    owed_to: LeaseKeeper, client: redis.Redis, prefix: str
+) -> None:
+    unreachable = redis.Redis(port=1, socket_connect_timeout=0.5)
+    down = JobStore(unreachable, prefix + "emq", lease_ms=5000)
+    b = deferring(60_000)
+    claims = [Claim(down, "q", "a", 1), Claim(down, "q", "b", 1)]
+    b.ack(claims)
+    b.start(Claim(down, "q", "c", 1))
+    b.flush()  # a start that fails is only logged: the task runs all the same
+    assert owed_to.owed_count() == 2
+    assert owed_to.get("a#1") == claims[0] and owed_to.get("c#1") is None
+
+
+def test_one_queue_whose_ack_fails_leaves_the_others_acked(
+    owed_to: LeaseKeeper, store: JobStore
+) -> None:
+    b = deferring(60_000)
+    [good] = claims_of(store, "good", ["g"])
+    [bad] = claims_of(store, "bad", ["x"])
+    # A foreign writer broke one queue's key: its ack script errors (WRONGTYPE).
+    store.client.delete(store.keys("bad").active)
+    store.client.set(store.keys("bad").active, "not a zset")
+    b.ack([good])
+    b.ack([bad])
+    b.flush()
+    assert store.job("good", "g") == {}
+    assert owed_to.owed_count() == 1
+    assert owed_to.get("x#1") == bad
+
+
+def test_a_script_the_server_lost_is_loaded_and_run(store: JobStore) -> None:
+    own = JobStore(store.client, store.prefix, store.lease_ms)
+    own.scripts._scripts["ack"].sha = "0" * 40  # as if the server had no such script
+    [claim] = claims_of(own, "q", ["a"])
+    batch = own.scripts.batch()
+    handle = batch.ack(own.keys("q"), [(claim.job_id, claim.token)])
+    batch.execute()
+    assert batch.result(handle) == [Outcome.OK]
+    assert own.job("q", "a") == {}
+
+
+@pytest.fixture
+def worker_batcher() -> Iterator[SettleBatcher]:
+    """The process-wide batcher, deferring as in a ready worker; restored afterwards."""
+    b = settle.batcher()
+    b.flush()
+    saved = (b.delay_ms, b.deferring)
+    b.deferring = True
+    yield b
+    b.flush()
+    b.delay_ms, b.deferring = saved
+
+
+def test_closing_a_channel_sends_its_queued_acks(
+    worker_batcher: SettleBatcher, redis_url: str, prefix: str, store: JobStore
+) -> None:
+    from kombu import Connection
+
+    import celery_emq  # noqa: F401  (registers emq://)
+
+    conn = Connection(
+        redis_url.replace("redis://", "emq://", 1),
+        transport_options={"global_keyprefix": prefix, "settle_delay_ms": 50},
+    )
+    with conn:
+        q = conn.SimpleQueue("q")
+        q.put("a")
+        message = q.get(timeout=5)
+        worker_batcher.delay_ms = 60_000  # as if the delay were long
+        message.ack()
+        assert store.counts("q")["active"] == 1
+        q.close()
+    assert store.counts("q") == {"pending": 0, "active": 0, "dead": 0}
+    assert worker_batcher.queued() == 0
+
+
+def test_queued_settles_are_sent_at_exit(redis_url: str, prefix: str, store: JobStore) -> None:
+    [claim] = claims_of(store, "q", ["a"])
+    code = textwrap.dedent(
+        f"""
+        import redis
+        from celery_emq.lease import Claim
+        from celery_emq.settle import batcher
+        from celery_emq.store import JobStore
+
+        store = JobStore(redis.Redis.from_url({redis_url!r}), {store.prefix!r}, 5000)
+        b = batcher()
+        b.delay_ms, b.deferring = 60_000, True
+        b.ack([Claim(store, "q", "a", {claim.token})])
+        assert b.queued() == 1
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert store.job("q", "a") == {}
+
+
+class _FlushFirst:
+    """A lock that lets another thread flush just before it is first taken."""
+
+    def __init__(self, lock: Any, flush: Callable[[], None]) -> None:
+        self._lock = lock
+        self._flush: Callable[[], None] | None = flush
+
+    def __enter__(self) -> Any:
+        flush, self._flush = self._flush, None
+        if flush is not None:
+            t = threading.Thread(target=flush)
+            t.start()
+            t.join()
+        return self._lock.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._lock.__exit__(*exc)
+
+
+def test_an_ack_queued_while_another_thread_flushes_is_not_lost(store: JobStore) -> None:
+    # A pool thread queues an ack while the timer thread takes the queue away
+    # to send it: the ack must land in the queue the next send takes.
+    b = deferring(60_000)
+    [claim] = claims_of(store, "q", ["a"])
+    b._lock = _FlushFirst(b._lock, b.flush)  # type: ignore[assignment]
+    b.ack([claim])
+    assert b.queued() == 1
+    b.flush()
+    assert store.job("q", "a") == {}
