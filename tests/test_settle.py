@@ -98,8 +98,8 @@ def test_deferred_settles_wait_then_go_together_in_one_round_trip(
     # test's own reads are the other round trips).
     [sent] = [r for r in round_trips if b"EVALSHA" in r]
     assert sent.count(b"EVALSHA") == 3
-    assert store.counts("q1") == {"pending": 0, "active": 0, "dead": 0}
-    assert store.counts("q2") == {"pending": 0, "active": 1, "dead": 0}
+    assert store.counts("q1") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
+    assert store.counts("q2") == {"pending": 0, "active": 1, "delayed": 0, "dead": 0}
     assert store.job("q2", "s1")["started"] == str(s1.token)
     assert store.metrics("q1")["completed"] == 2
     assert store.metrics("q2")["completed"] == 1
@@ -117,7 +117,7 @@ def test_a_full_batch_is_sent_at_once(store: JobStore) -> None:
     b.ack([claims[-1]])
     # No wait for the delay: the batch was full.
     assert b.queued() == 0
-    assert store.counts("q") == {"pending": 0, "active": 0, "dead": 0}
+    assert store.counts("q") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
     assert b.sends == 1
 
 
@@ -230,7 +230,7 @@ def test_closing_a_channel_sends_its_queued_acks(
         message.ack()
         assert store.counts("q")["active"] == 1
         q.close()
-    assert store.counts("q") == {"pending": 0, "active": 0, "dead": 0}
+    assert store.counts("q") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
     assert worker_batcher.queued() == 0
 
 
