@@ -28,6 +28,7 @@ from kombu.utils.json import dumps, loads
 from ._compat import ChannelCompat
 from .codec import unpack
 from .errors import BrokerFullError
+from .flower import register_if_loaded as register_with_flower_if_loaded
 from .lease import keeper
 from .options import EmqOptions
 from .scripts import UNSET, Claimed, Outcome, Unset
@@ -723,6 +724,10 @@ class Transport(kombu_redis.Transport):
         # A worker builds its transport (for its banner) before it forks its
         # pool: the probes installed now are inherited by every pool process.
         install_worker_probes()
+        # Flower builds one to name the broker before it reads queue lengths.
+        # ``import celery_emq`` registers with Flower only if Flower was loaded
+        # first, which the order Celery loads its command plugins in decides.
+        register_with_flower_if_loaded()
 
     @property
     def supports_batch_publish(self) -> bool:
