@@ -302,6 +302,27 @@ def roundtrips_round(
     }
 
 
+def idle_round(
+    target: Target, scheme: str, seconds: float, settle_s: float, timeout_s: float
+) -> Round:
+    """Redis commands a second from one idle prefork ``-c 2`` worker.
+
+    Counts every command the server processes over ``seconds`` once the worker
+    has settled, less this function's own ``INFO``: on a Redis that others use
+    the figure counts their commands too.
+    """
+    env = target.env(scheme)
+    with round_keys(env) as client, bench_worker(env, 2, "--without-heartbeat"):
+        worker_ready(env, client, timeout_s)
+        time.sleep(settle_s)
+        t0 = time.monotonic()
+        before = int(client.info("stats")["total_commands_processed"])
+        time.sleep(seconds)
+        after = int(client.info("stats")["total_commands_processed"])
+        elapsed = time.monotonic() - t0
+    return {"idle_commands_per_s": (after - before - 1) / elapsed}
+
+
 def _steady_rss(pid: int, settle_s: float, timeout_s: float) -> int:
     """Wait ``settle_s``, then until two reads a second apart differ by under 1 %."""
     time.sleep(settle_s)

@@ -35,7 +35,7 @@ from bench import figures, scaling
 from bench._common import ROOT, private_redis
 from bench.figures import EMQ, STOCK, Target, median
 
-FIGURES = ("drain", "latency", "held", "delayed", "roundtrips", "scaling")
+FIGURES = ("drain", "latency", "held", "delayed", "roundtrips", "idle", "scaling")
 #: Pools of the drain figure: (pool, concurrency).
 POOLS = (("prefork", 2), ("threads", 4), ("solo", 1))
 
@@ -51,6 +51,7 @@ FULL = {
     "settle_s": 5.0,
     "rt_tasks": 2000,
     "rt_idle_s": 3.0,
+    "idle_seconds": 20.0,
     "scale_small": 1000,
     "scale_large": 1_000_000,
     "scale_active": 100_000,
@@ -69,6 +70,7 @@ QUICK = {
     "settle_s": 2.0,
     "rt_tasks": 200,
     "rt_idle_s": 1.0,
+    "idle_seconds": 3.0,
     "scale_small": 1000,
     "scale_large": 20_000,
     "scale_active": 5_000,
@@ -180,6 +182,23 @@ def main(argv: list[str] | None = None) -> int:
                 )
             else:
                 log("round trips: bench/roundtrips.py is not there: not measured")
+        if "idle" in chosen:
+            if args.redis == "private":
+                comparisons.append(
+                    (
+                        "idle",
+                        _bind(
+                            figures.idle_round,
+                            target,
+                            seconds=args.idle_seconds,
+                            settle_s=args.settle_s,
+                            timeout_s=args.timeout,
+                        ),
+                        args.rounds,
+                    )
+                )
+            else:
+                log("idle: counts every client of the server, so only on a private one: skipped")
         if "delayed" in chosen:
             comparisons.append(
                 (
@@ -313,6 +332,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--settle-s", type=float, help="least wait before the delayed figure's RSS (5)")
     ap.add_argument("--rt-tasks", type=int, help="tasks per round-trip round (2000)")
     ap.add_argument("--rt-idle-s", type=float, help="idle window before a round-trip round (3)")
+    ap.add_argument("--idle-seconds", type=float, help="window of the idle figure (20)")
     ap.add_argument("--scale-small", type=int, help="pending jobs, small claim (1000)")
     ap.add_argument("--scale-large", type=int, help="pending jobs, large claim (1000000)")
     ap.add_argument("--scale-active", type=int, help="active leases swept (100000)")
@@ -503,6 +523,17 @@ def table_rows(
                 "lower",
                 None,
                 None,
+            )
+        )
+    if "idle" in rounds:
+        rows.append(
+            row(
+                "idle_commands_per_s",
+                "Redis commands a second, idle prefork -c 2 worker",
+                "/s",
+                "lower",
+                "idle",
+                "idle_commands_per_s",
             )
         )
     if "delayed" in rounds:

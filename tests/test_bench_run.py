@@ -68,6 +68,7 @@ def test_quick_run_takes_every_figure(tmp_path: Path) -> None:
         "bytes_per_queued_task",
         "bytes_per_held_task",
         "bytes_per_delayed_task",
+        "idle_commands_per_s",
         "rss_growth_mb",
     ]
     for key in compared:
