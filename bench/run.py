@@ -83,6 +83,8 @@ QUICK = {
 CLAIM_RATIO_TARGET = 1.5
 SWEEP_TARGET_MS = 2.0
 STATUS_TARGET_MS = 100.0
+#: The chart's scale ends at 2**4 = 16 times either way.
+CHART_MAX_LOG2 = 4.0
 
 
 @dataclass(frozen=True)
@@ -650,7 +652,7 @@ def chart(rows: list[Row], path: Path, args: argparse.Namespace) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    plotted = [r for r in rows if r.ratio is not None and r.ratio > 0]
+    plotted = [r for r in rows if r.ratio is not None]
     if not plotted:
         return None
     matplotlib.rcParams["svg.fonttype"] = "none"  # text stays text: small, searchable
@@ -662,24 +664,29 @@ def chart(rows: list[Row], path: Path, args: argparse.Namespace) -> Path | None:
         labels.append(f"{r.label} ({r.better} is better)")
         ratios.append(r.ratio)
         colors.append("#2a7d4f" if good else "#b5452f")
+    # A ratio past CHART_MAX_LOG2 doublings (or none at all: a figure that fell
+    # to zero) is drawn to the edge, its label giving the value.
+    logs = [
+        max(-CHART_MAX_LOG2, min(CHART_MAX_LOG2, math.log2(x) if x > 0 else -math.inf))
+        for x in ratios
+    ]
     y = range(len(plotted))
-    ax.barh(list(y), [math.log2(x) for x in ratios], color=colors, height=0.6)
+    ax.barh(list(y), logs, color=colors, height=0.6)
     ax.axvline(0, color="black", linewidth=0.8)
-    for i, x in zip(y, ratios, strict=True):
-        lx = math.log2(x)
+    for i, x, lx in zip(y, ratios, logs, strict=True):
         ax.text(
             lx + (0.04 if lx >= 0 else -0.04),
             i,
-            f"{x:.2f}x",
+            f"{x:.2f}x" if x >= 0.01 or x <= 0 else f"{x:.1g}x",
             va="center",
             ha="left" if lx >= 0 else "right",
             fontsize=8,
         )
     ax.set_yticks(list(y))
     ax.set_yticklabels(labels, fontsize=8)
-    lim = max(1.0, max(abs(math.log2(x)) for x in ratios) + 0.6)
+    lim = max(1.0, max(abs(lx) for lx in logs) + 0.8)
     ax.set_xlim(-lim, lim)
-    ticks = [t for t in range(-int(lim), int(lim) + 1)]
+    ticks = list(range(-int(lim), int(lim) + 1))
     ax.set_xticks(ticks)
     ax.set_xticklabels([f"{2.0**t:g}x" for t in ticks], fontsize=8)
     ax.set_xlabel("emq:// / redis:// (log scale; green: emq better, red: stock better)", fontsize=8)
