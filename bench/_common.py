@@ -179,9 +179,26 @@ def private_redis(timeout_s: float = 20) -> Iterator[str]:
 
 
 def dataset_bytes(client: redis.Redis) -> int:
-    """Redis memory less what its client connections hold (their buffers come and go)."""
+    """Redis memory less what its client connections hold (their buffers come and go).
+
+    Call :func:`accounted` on ``client`` first: Redis counts a new connection's
+    memory in ``mem_clients_normal`` only once its client cron has seen it.
+    """
     info = client.info("memory")
     return int(info["used_memory"]) - int(info.get("mem_clients_normal", 0))
+
+
+def accounted(client: redis.Redis, wait_s: float = 0.3) -> redis.Redis:
+    """Connect ``client`` and wait until Redis counts its connection's memory; return it.
+
+    Until then ``used_memory`` holds the connection's buffers but
+    ``mem_clients_normal`` does not (it is updated by the server's client cron,
+    ten times a second), so the first :func:`dataset_bytes` reads about 20 KB
+    short of the second.
+    """
+    client.ping()
+    time.sleep(wait_s)
+    return client
 
 
 def tree_rss_bytes(pid: int) -> int:

@@ -25,6 +25,7 @@ from celery import Celery
 
 from bench._common import (
     ROOT,
+    accounted,
     bench_worker,
     dataset_bytes,
     round_env,
@@ -97,7 +98,7 @@ def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
 @contextmanager
 def round_keys(env: dict[str, str]) -> Iterator[redis.Redis]:
     """Yield a client on the round's database; delete the round's keys afterwards."""
-    client = redis.Redis.from_url(env["BENCH_RECORD"])
+    client = accounted(redis.Redis.from_url(env["BENCH_RECORD"]))
     try:
         yield client
     finally:

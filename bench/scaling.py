@@ -25,7 +25,7 @@ from typing import Any
 
 import redis
 
-from bench._common import dataset_bytes, private_redis
+from bench._common import accounted, dataset_bytes, private_redis
 from bench.figures import _pct
 from celery_emq.options import EmqOptions
 from celery_emq.status import queue_status
@@ -183,7 +183,7 @@ def run(
         "payload_bytes": len(PAYLOAD),
     }
     with private_redis() as url:
-        client = redis.Redis.from_url(url)
+        client = accounted(redis.Redis.from_url(url))
         store = JobStore(client, PREFIX, LEASE_MS)
 
         fill(url, "small", small)
