@@ -1,0 +1,54 @@
+"""Publish benchmark tasks from a process of their own; print the seconds it took.
+
+Run by the harness with a round's environment (see ``bench/app.py``), so both
+transports pay the same import and connection costs outside the timed loop:
+
+    python -m bench.publish tick 2000
+    python -m bench.publish noop 1000 --countdown 3600
+    python -m bench.publish stamp 2000 --rate 200      # paced: 200 tasks/s
+    python -m bench.publish nap 1000 --arg 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("task", choices=("tick", "noop", "drained", "stamp", "nap"))
+    ap.add_argument("n", type=int)
+    ap.add_argument("--countdown", type=float, default=None)
+    ap.add_argument("--rate", type=float, default=0, help="tasks a second (0: as fast as it can)")
+    ap.add_argument("--arg", type=float, default=None, help="the task's one argument")
+    args = ap.parse_args()
+
+    import bench.app as b
+
+    task = getattr(b, args.task)
+    options = {} if args.countdown is None else {"countdown": args.countdown}
+    with b.app.producer_or_acquire() as producer:
+        # Connect (and declare) before the clock starts.
+        task.apply_async(args=_args(args), producer=producer, **options)
+        t0 = time.perf_counter()
+        for i in range(1, args.n):
+            if args.rate:
+                wait = t0 + i / args.rate - time.perf_counter()
+                if wait > 0:
+                    time.sleep(wait)
+            task.apply_async(args=_args(args), producer=producer, **options)
+        elapsed = time.perf_counter() - t0
+    print(elapsed, flush=True)
+
+
+def _args(args: argparse.Namespace) -> tuple[float, ...]:
+    if args.task == "stamp":
+        return (time.time(),)
+    if args.arg is not None:
+        return (args.arg,)
+    return ()
+
+
+if __name__ == "__main__":
+    main()

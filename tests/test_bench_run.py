@@ -1,0 +1,124 @@
+"""bench/run.py end to end on tiny sizes: every figure is taken, tabled and written.
+
+The run starts its own private ``redis-server`` (so it needs one: on PATH or
+``EMQ_REDIS_SERVER``) and real workers of both transports; the figures are not
+judged here, only that each was measured and is plausible.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.figures import roundtrips_available
+from bench.run import Row, chart
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TINY = [
+    "--quick",
+    "--tasks", "60",
+    "--latency-rate", "50",
+    "--latency-seconds", "1",
+    "--held-tasks", "20",
+    "--delayed-tasks", "40",
+    "--settle-s", "1",
+    "--rt-tasks", "60",
+    "--rt-idle-s", "1",
+    "--scale-small", "200",
+    "--scale-large", "2000",
+    "--scale-active", "500",
+    "--scale-lanes", "50",
+    "--scale-samples", "50",
+    "--scale-passes", "3",
+    "--timeout", "120",
+]  # fmt: skip
+
+has_server = bool(os.environ.get("EMQ_REDIS_SERVER") or shutil.which("redis-server"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not has_server, reason="no redis-server for the benchmark's private Redis")
+def test_quick_run_takes_every_figure(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "bench/run.py", *TINY, "--out", str(tmp_path), "--no-chart"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "| drain, prefork -c 2, acks_late" in out.stdout
+    saved = json.loads((tmp_path / "benchmarks.json").read_text())
+    table = {row["key"]: row for row in saved["table"]}
+
+    compared = [
+        "publish_per_s",
+        *(f"drain_{pool}_{late}" for pool in ("prefork", "threads", "solo") for late in (0, 1)),
+        "latency_p50_ms",
+        "latency_p99_ms",
+        "bytes_per_queued_task",
+        "bytes_per_held_task",
+        "bytes_per_delayed_task",
+        "idle_commands_per_s",
+        "rss_growth_mb",
+    ]
+    for key in compared:
+        row = table[key]
+        assert row["redis"] is not None and row["emq"] is not None, key
+        assert math.isclose(row["emq_over_stock"], row["emq"] / row["redis"]), key
+    for key in compared[:-1]:  # an RSS may grow by nothing
+        assert table[key]["redis"] > 0 and table[key]["emq"] > 0, key
+    # A queued task holds at least its payload (a Celery message is ~1 KB).
+    assert table["bytes_per_queued_task"]["redis"] > 300
+    assert table["bytes_per_queued_task"]["emq"] > 300
+    assert table["latency_p99_ms"]["emq"] >= table["latency_p50_ms"]["emq"]
+
+    delayed = saved["rounds"]["delayed"]
+    assert {r["scheme"] for r in delayed} == {"redis", "emq"}
+    for r in delayed:
+        assert r["n"] == 40
+        assert r["rss_before_mb"] > 10 and r["rss_after_mb"] > 10
+    assert table["status_delayed"]["emq"] is not None
+    assert table["status_delayed"]["emq"] == 40
+
+    if roundtrips_available():
+        # At least one round trip to publish a task and one to take it.
+        assert table["rt_publisher_per_task"]["redis"] >= 0.9
+        assert table["rt_worker_per_task"]["emq"] >= 0.9
+        assert table["rt_per_task"]["emq_over_stock"] is not None
+    else:
+        assert table["rt_per_task"]["emq"] is None
+        assert "not measured" in table["rt_per_task"]["figure"]
+
+    scale = saved["scaling"]
+    assert scale["sizes"] == {"small": 200, "large": 2000, "active": 500, "lanes": 50}
+    assert scale["lanes_seen"] == 50
+    for fig in ("claim_small", "claim_large", "sweep", "status"):
+        assert 0 < scale[fig]["p50_ms"] <= scale[fig]["p99_ms"], fig
+    assert scale["bytes_per_pending_job"] > scale["payload_bytes"]
+    assert "claim one job, 2,000 pending" in out.stdout
+
+
+def test_chart_draws_every_ratio(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    import argparse
+
+    rows = [
+        Row("a", "drain", "tasks/s", "higher", 100.0, 150.0),
+        Row("b", "memory", "B", "lower", 1000.0, 2000.0),
+        Row("c", "not measured", "", "lower", None, None),
+    ]
+    path = chart(rows, tmp_path / "c.svg", argparse.Namespace(rounds=3))
+    assert path is not None
+    svg = path.read_text()
+    assert "1.50x" in svg and "2.00x" in svg
+    assert "not measured" not in svg
