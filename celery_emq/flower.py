@@ -18,6 +18,8 @@ from urllib.parse import urlparse
 
 from .keys import QueueKeys
 from .options import EmqOptions
+from .scripts import Scripts, read_tally, script_source
+from .store import LANE_PAGE
 
 __all__ = ["register"]
 
@@ -45,32 +47,29 @@ def register() -> bool:
             names = list(names)
             keys = [QueueKeys(self.key_prefix, n) for n in names]
             try:
+                # One tally script call per queue (and per LANE_PAGE lanes), one round trip.
+                tally = self.redis.register_script(script_source("tally"))
                 async with self.redis.pipeline() as pipe:
                     for k in keys:
-                        pipe.zcard(k.pending).zcard(k.active).zcard(k.dead).zcard(k.delayed)
-                        pipe.zrange(k.lanes, 0, -1)
+                        await tally(Scripts.tally_keys(k), [0, LANE_PAGE, 0], client=pipe)
                     replies = await pipe.execute()
-                lanes = [
-                    [g.decode() if isinstance(g, bytes) else g for g in replies[i * 5 + 4]]
-                    for i in range(len(names))
-                ]
-                async with self.redis.pipeline() as pipe:
-                    for k, groups in zip(keys, lanes, strict=True):
-                        for g in groups:
-                            pipe.zcard(k.lane(g))
-                    lane_sizes = iter(await pipe.execute())
                 out = []
-                for i, name in enumerate(names):
-                    pending, active, dead, delayed = replies[i * 5 : i * 5 + 4]
-                    pending += sum(next(lane_sizes) for _ in lanes[i])
+                for name, k, reply in zip(names, keys, replies, strict=True):
+                    counts, page = read_tally(reply)
+                    lane_sizes = [n for _, n, _ in page]
+                    while len(lane_sizes) < counts["lanes"] and len(page) == LANE_PAGE:
+                        more = [len(lane_sizes), LANE_PAGE, 0]
+                        page = read_tally(await tally(Scripts.tally_keys(k), more))[1]
+                        lane_sizes += [n for _, n, _ in page]
+                    pending = counts["pending"] + sum(lane_sizes)
                     out.append(
                         {
                             "name": name,
-                            "messages": pending + active,
+                            "messages": pending + counts["active"],
                             "messages_ready": pending,
-                            "messages_unacknowledged": active,
-                            "messages_dead": dead,
-                            "messages_delayed": delayed,
+                            "messages_unacknowledged": counts["active"],
+                            "messages_dead": counts["dead"],
+                            "messages_delayed": counts["delayed"],
                         }
                     )
                 return out

@@ -45,6 +45,7 @@ SCRIPT_NAMES: tuple[str, ...] = (
     "purge_dead",
     "give_back",
     "promote",
+    "tally",
 )
 
 #: Most claims one ``extend`` call carries (the rest go in further calls).
@@ -146,6 +147,19 @@ def _ack_outcomes(reply: Any, expected: int) -> list[Outcome]:
     return [_outcome(code, "ack") for code in reply]
 
 
+def read_tally(reply: Any) -> tuple[dict[str, int], list[tuple[str, int, int | None]]]:
+    """Read what ``tally.lua`` answered (see :meth:`Scripts.tally`)."""
+    if len(reply) < 5 or (len(reply) - 5) % 3:
+        raise ScriptContractError(f"tally.lua answered {len(reply)} items")
+    names = ("pending", "active", "delayed", "dead", "lanes")
+    counts = {n: int(v) for n, v in zip(names, reply[:5], strict=True)}
+    page = [
+        (_text(reply[i]), int(reply[i + 1]), int(reply[i + 2]) if reply[i + 2] else None)
+        for i in range(5, len(reply), 3)
+    ]
+    return counts, page
+
+
 class Scripts:
     """The Lua transitions, registered on one redis-py client."""
 
@@ -219,6 +233,21 @@ class Scripts:
             [_time_arg(now_ms), limit, *task_ids],
         )
         return int(reply[0]), bool(reply[1])
+
+    def tally(
+        self, k: QueueKeys, offset: int, limit: int, heads: bool = False
+    ) -> tuple[dict[str, int], list[tuple[str, int, int | None]]]:
+        """Return a queue's counts and one page of its lanes: (group, size, head's enqueued_ms).
+
+        The counts are ``pending`` (the default lane only), ``active``,
+        ``delayed``, ``dead`` and ``lanes`` (how many there are).
+        """
+        reply = self._run("tally", self.tally_keys(k), [offset, limit, 1 if heads else 0])
+        return read_tally(reply)
+
+    @staticmethod
+    def tally_keys(k: QueueKeys) -> list[str]:
+        return [k.pending, k.active, k.delayed, k.dead, k.lanes, k.base]
 
     def promote_on(self, pipe: Any, k: QueueKeys, limit: int) -> None:
         """Queue a ``promote`` of due jobs on a pipeline (its reply: promoted, waiting)."""

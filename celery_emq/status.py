@@ -8,8 +8,8 @@ from .store import JobStore
 
 __all__ = ["queue_status"]
 
-#: Most rows read to compute each age: the longest-held leases, the jobs next in
-#: line in the default lane, and the heads of the first lanes.
+#: Most rows read to compute each age: the longest-held leases and the jobs next
+#: in line in the default lane (each lane's next job is read by the tally).
 SAMPLE = 1000
 
 
@@ -17,44 +17,32 @@ def queue_status(store: JobStore, queue: str, now_ms: int | None = None) -> dict
     """Return counts, lanes, ages and counters of one queue, in a fixed number of round trips.
 
     ``delayed`` counts the jobs whose ETA is still ahead: they wait in the
-    broker, not in a worker. Ages are read from at most ``SAMPLE`` rows each.
+    broker, not in a worker. Ages are read from at most ``SAMPLE`` rows each
+    (and the next job of every lane).
     """
     k = store.keys(queue)
     client = store.client
+    counts, lanes, heads = store.tally(queue, heads=True)
     with client.pipeline(transaction=False) as pipe:
         pipe.time()
-        pipe.zcard(k.pending).zcard(k.active).zcard(k.delayed).zcard(k.dead)
-        pipe.zrange(k.lanes, 0, -1)
         pipe.zrange(k.active, 0, SAMPLE - 1)
         pipe.zrange(k.pending, 0, SAMPLE - 1)
-        (secs, micros), pending, active, delayed, dead, groups, active_ids, heads = pipe.execute()
+        (secs, micros), active_ids, pending_ids = pipe.execute()
     now = int(secs) * 1000 + int(micros) // 1000 if now_ms is None else now_ms
-    names = [g.decode() if isinstance(g, bytes) else g for g in groups]
-    lanes: dict[str, int] = {}
-    if names:
-        with client.pipeline(transaction=False) as pipe:
-            for g in names:
-                pipe.zcard(k.lane(g))
-            for g in names[:SAMPLE]:
-                pipe.zrange(k.lane(g), 0, 0)
-            replies = pipe.execute()
-        lanes = {g: int(n) for g, n in zip(names, replies[: len(names)], strict=True) if n}
-        for head in replies[len(names) :]:
-            heads += head
     with client.pipeline(transaction=False) as pipe:
         for job_id in active_ids:
             pipe.hget(k.job(job_id.decode()), "claimed_ms")
-        for job_id in heads:
+        for job_id in pending_ids:
             pipe.hget(k.job(job_id.decode()), "enqueued_ms")
         replies = pipe.execute()
     claimed = [int(v) for v in replies[: len(active_ids)] if v]
-    enqueued = [int(v) for v in replies[len(active_ids) :] if v]
+    enqueued = [int(v) for v in replies[len(active_ids) :] if v] + heads
     return {
         "queue": queue,
-        "pending": int(pending) + sum(lanes.values()),
-        "active": int(active),
-        "delayed": int(delayed),
-        "dead": int(dead),
+        "pending": counts["pending"],
+        "active": counts["active"],
+        "delayed": counts["delayed"],
+        "dead": counts["dead"],
         "lanes": lanes,
         "oldest_lease_age_ms": now - min(claimed) if claimed else None,
         "oldest_pending_age_ms": now - min(enqueued) if enqueued else None,

@@ -19,6 +19,8 @@ __all__ = ["JobStore"]
 
 #: Jobs one ``purge`` script call deletes before the store calls it again.
 PURGE_BATCH = 1000
+#: Most lanes one ``tally`` script call reads.
+LANE_PAGE = 10_000
 #: Most due delayed jobs one ``promote`` script call moves.
 PROMOTE_BATCH = 1000
 #: The counters every queue keeps (``<p>:{q}:metrics:<name>``, field ``count``).
@@ -332,29 +334,33 @@ class JobStore:
 
     def lanes(self, queue: str) -> dict[str, int]:
         """Return each fair lane's pending count, by group."""
-        k = self.keys(queue)
-        groups = [_text(g) for g in self.client.zrange(k.lanes, 0, -1)]
-        if not groups:
-            return {}
-        with self.client.pipeline(transaction=False) as pipe:
-            for g in groups:
-                pipe.zcard(k.lane(g))
-            sizes = pipe.execute()
-        return {g: int(n) for g, n in zip(groups, sizes, strict=True) if n}
+        return self.tally(queue)[1]
 
     def counts(self, queue: str) -> dict[str, int]:
         """Return the number of pending (lanes included), active, delayed and dead jobs."""
+        counts = self.tally(queue)[0]
+        del counts["lanes"]
+        return counts
+
+    def tally(
+        self, queue: str, heads: bool = False
+    ) -> tuple[dict[str, int], dict[str, int], list[int]]:
+        """Return a queue's counts, its lanes' sizes and (with ``heads``) their heads' ages.
+
+        One script call per :data:`LANE_PAGE` lanes (one for most queues): the
+        counts are ``pending`` (lanes included), ``active``, ``delayed``, ``dead``
+        and ``lanes`` (how many); the lanes map each group with pending jobs to
+        their number; the heads are the ``enqueued_ms`` of each lane's next job.
+        """
         k = self.keys(queue)
-        with self.client.pipeline(transaction=False) as pipe:
-            pipe.zcard(k.pending).zcard(k.active).zcard(k.dead).zcard(k.delayed).exists(k.lanes)
-            pending, active, dead, delayed, has_lanes = pipe.execute()
-        lanes = sum(self.lanes(queue).values()) if has_lanes else 0
-        return {
-            "pending": int(pending) + lanes,
-            "active": int(active),
-            "delayed": int(delayed),
-            "dead": int(dead),
-        }
+        counts, page = self.scripts.tally(k, 0, LANE_PAGE, heads)
+        rows = list(page)
+        while len(rows) < counts["lanes"] and len(page) == LANE_PAGE:
+            page = self.scripts.tally(k, len(rows), LANE_PAGE, heads)[1]
+            rows += page
+        lanes = {g: n for g, n, _ in rows if n}
+        counts["pending"] += sum(lanes.values())
+        return counts, lanes, [h for _, _, h in rows if h is not None]
 
     def waiting(self, queues: Sequence[str]) -> list[str]:
         """Promote due delayed jobs; return those of ``queues`` that have jobs to claim.

@@ -65,6 +65,7 @@ CALLS: dict[str, tuple[Call, int]] = {
     "purge_dead": (lambda s, k: s.purge_dead(k, ["a", "b"]), 2),
     "give_back": (lambda s, k: s.give_back(k), 0),
     "promote": (lambda s, k: s.promote(k, 1, 10, ["t1", "t2"]), 2),
+    "tally": (lambda s, k: s.tally(k, 0, 10, True), 0),
 }
 
 #: Calls that leave the time to the Redis server (``now_ms=None``).
