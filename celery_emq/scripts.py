@@ -249,10 +249,6 @@ class Scripts:
     def tally_keys(k: QueueKeys) -> list[str]:
         return [k.pending, k.active, k.delayed, k.dead, k.lanes, k.base]
 
-    def promote_on(self, pipe: Any, k: QueueKeys, limit: int) -> None:
-        """Queue a ``promote`` of due jobs on a pipeline (its reply: promoted, waiting)."""
-        self._scripts["promote"](keys=self._promote_keys(k), args=["", limit], client=pipe)
-
     @staticmethod
     def _promote_keys(k: QueueKeys) -> list[str]:
         return [k.pending, k.wake, k.seq, k.lanes, k.delayed, k.etas, k.base]
@@ -513,6 +509,13 @@ class Batch:
             ]
 
         return self._add([("ack", *_ack_call(k, chunk)) for chunk in chunks], read)
+
+    def promote(self, k: QueueKeys, limit: int) -> int:
+        """Queue :meth:`Scripts.promote` of due jobs; its result is (promoted, waiting)."""
+        return self._add(
+            [("promote", Scripts._promote_keys(k), ["", limit])],
+            lambda replies: (int(replies[0][0]), bool(replies[0][1])),
+        )
 
     def execute(self) -> None:
         """Send every queued call in one round trip.

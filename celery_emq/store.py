@@ -369,11 +369,10 @@ class JobStore:
         """
         if not queues:
             return []
-        with self.client.pipeline(transaction=False) as pipe:
-            for q in queues:
-                self.scripts.promote_on(pipe, self.keys(q), PROMOTE_BATCH)
-            replies = pipe.execute()
-        return [q for q, reply in zip(queues, replies, strict=True) if int(reply[1])]
+        batch = self.scripts.batch()
+        handles = [batch.promote(self.keys(q), PROMOTE_BATCH) for q in queues]
+        batch.execute()
+        return [q for q, h in zip(queues, handles, strict=True) if batch.result(h)[1]]
 
     def exists(self, queue: str) -> bool:
         """Return whether the queue holds any pending, delayed or active job."""

@@ -17,12 +17,7 @@
 ]]
 local pending, wake, seq, lanes, delayed = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local etas, base = KEYS[6], KEYS[7]
-local limit = tonumber(ARGV[2])
-local now_ms = tonumber(ARGV[1])
-if not now_ms then
-  local t = redis.call('TIME')
-  now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+local limit, now_arg = tonumber(ARGV[2]), ARGV[1]
 
 local BAND = 1099511627776
 
@@ -34,7 +29,13 @@ for i = 3, #ARGV do
     ids[#ids + 1] = id
   end
 end
-if limit > 0 then
+-- An idle consumer runs this every second: with nothing delayed, it reads no clock.
+if limit > 0 and redis.call('EXISTS', delayed) == 1 then
+  local now_ms = tonumber(now_arg)
+  if not now_ms then
+    local t = redis.call('TIME')
+    now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
   local due = redis.call('ZRANGE', delayed, '-inf', now_ms, 'BYSCORE', 'LIMIT', 0, limit)
   for _, id in ipairs(due) do
     ids[#ids + 1] = id
