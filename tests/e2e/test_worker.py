@@ -75,8 +75,10 @@ def test_warm_shutdown_releases_unstarted_deliveries_at_once(
 ) -> None:
     w = start_worker("-c", "1", EMQ_E2E_PREFETCH="4")
     store = JobStore(client, prefix + "emq", 30000)
+    # The first task runs long enough that the stop comes while it runs (a child
+    # handed the next job before the stop would run that one too).
     for i in range(6):
-        capp.send_task("tests.e2e.app.sleepy", args=(2, f"t{i}"))
+        capp.send_task("tests.e2e.app.sleepy", args=(8 if i == 0 else 1, f"t{i}"))
     # One task runs, the rest of the prefetch window is reserved (active leases).
     wait_for(lambda: client.hlen(prefix + "runs") == 1, 15)
     wait_for(lambda: store.counts("celery")["active"] == 4, 5)
