@@ -104,7 +104,8 @@ def test_quick_run_takes_every_figure(tmp_path: Path) -> None:
     assert scale["lanes_seen"] == 50
     for fig in ("claim_small", "claim_large", "sweep", "status"):
         assert 0 < scale[fig]["p50_ms"] <= scale[fig]["p99_ms"], fig
-    assert scale["bytes_per_pending_job"] > scale["payload_bytes"]
+    # A row, a sorted-set member and the message (compressed, maybe to a fifth).
+    assert scale["bytes_per_pending_job"] > scale["payload_bytes"] / 10
     assert "claim one job, 2,000 pending" in out.stdout
 
 
