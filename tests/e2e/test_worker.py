@@ -73,12 +73,14 @@ def test_long_task_and_eta_outlive_the_lease_and_run_once(
 def test_warm_shutdown_releases_unstarted_deliveries_at_once(
     start_worker: Callable[..., Worker], capp: Any, client: redis.Redis, prefix: str
 ) -> None:
-    w = start_worker("-c", "1", EMQ_E2E_PREFETCH="4")
     store = JobStore(client, prefix + "emq", 30000)
-    # The first task runs long enough that the stop comes while it runs (a child
-    # handed the next job before the stop would run that one too).
+    # Published before the worker starts, so its first claim fills the prefetch
+    # window (a busy worker tops it up only once half of it is free). The first
+    # task runs long enough that the stop comes while it runs (a child handed
+    # the next job before the stop would run that one too).
     for i in range(6):
         capp.send_task("tests.e2e.app.sleepy", args=(8 if i == 0 else 1, f"t{i}"))
+    w = start_worker("-c", "1", EMQ_E2E_PREFETCH="4")
     # One task runs, the rest of the prefetch window is reserved (active leases).
     wait_for(lambda: client.hlen(prefix + "runs") == 1, 15)
     wait_for(lambda: store.counts("celery")["active"] == 4, 5)
