@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -109,6 +110,10 @@ class Row:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # SIGTERM (a timeout, a CI stop) unwinds like Ctrl-C, so each worker and
+    # the private redis-server are stopped by their context managers, not left
+    # running in sessions of their own.
+    signal.signal(signal.SIGTERM, _terminated)
     args = parse(argv)
     if args.replot:
         return replot(Path(args.replot), args)
@@ -295,6 +300,10 @@ def replot(path: Path, args: argparse.Namespace) -> int:
         drawn = chart(rows, out / "benchmarks.svg", run_args)
         print(f"wrote {drawn}" if drawn else "no chart: matplotlib is not installed")
     return 0
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -7,12 +7,15 @@ judged here, only that each was measured and is plausible.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -91,9 +94,13 @@ def test_quick_run_takes_every_figure(tmp_path: Path) -> None:
     assert table["status_delayed"]["emq"] == 40
 
     if roundtrips_available():
-        # At least one round trip to publish a task and one to take it.
-        assert table["rt_publisher_per_task"]["redis"] >= 0.9
-        assert table["rt_worker_per_task"]["emq"] >= 0.9
+        # One round trip to publish a task on either; the stock worker makes about
+        # three a task (BRPOP, write the unacked record, delete it); the emq://
+        # worker claims and settles in batches, but cannot take a task for nothing.
+        for scheme in ("redis", "emq"):
+            assert table["rt_publisher_per_task"][scheme] >= 0.9, scheme
+        assert table["rt_worker_per_task"]["redis"] >= 2
+        assert table["rt_worker_per_task"]["emq"] > 0.1
         assert table["rt_per_task"]["emq_over_stock"] is not None
     else:
         assert table["rt_per_task"]["emq"] is None
@@ -123,3 +130,71 @@ def test_chart_draws_every_ratio(tmp_path: Path) -> None:
     svg = path.read_text()
     assert "1.50x" in svg and "2.00x" in svg
     assert "not measured" not in svg
+
+
+def _children(pid: int) -> dict[int, str]:
+    """The processes whose parent is ``pid``: their command lines."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid == pid:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    found[int(entry)] = f.read().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not has_server, reason="no redis-server for the benchmark's private Redis")
+def test_a_terminated_run_stops_its_worker_and_its_redis(tmp_path: Path) -> None:
+    run = subprocess.Popen(
+        [sys.executable, "bench/run.py", "--quick", "--only", "held", "--held-tasks", "20",
+         "--out", str(tmp_path), "--no-chart"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    started: dict[int, str] = {}
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            started = _children(run.pid)
+            if any("celery" in cmd and "worker" in cmd for cmd in started.values()):
+                break
+            time.sleep(0.1)
+        workers = [p for p, cmd in started.items() if "celery" in cmd]
+        servers = [p for p, cmd in started.items() if "redis-server" in cmd]
+        assert workers and servers, started
+        run.terminate()
+        run.wait(60)
+        deadline = time.monotonic() + 45
+        while time.monotonic() < deadline and any(_alive(p) for p in workers + servers):
+            time.sleep(0.2)
+        assert not [p for p in workers + servers if _alive(p)]
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait(10)
+        # What the run left behind (the failure this test is about), by PID:
+        # each worker leads a process group of its own.
+        for pid, cmd in started.items():
+            if _alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    if "celery" in cmd:
+                        os.killpg(pid, signal.SIGKILL)
+                    else:
+                        os.kill(pid, signal.SIGKILL)
