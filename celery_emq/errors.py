@@ -7,6 +7,7 @@ from kombu.exceptions import OperationalError
 __all__ = [
     "BrokerFullError",
     "EmqError",
+    "InvalidBrokerURLError",
     "InvalidOptionError",
     "InvalidQueueNameError",
     "ScriptContractError",
@@ -82,3 +83,11 @@ class StalledJobError(EmqError):
 
     def __reduce__(self) -> tuple[type[StalledJobError], tuple[str, str, str, int, str]]:
         return (type(self), (str(self), self.job_id, self.queue, self.stalled, self.reason))
+
+
+class InvalidBrokerURLError(EmqError, ValueError):
+    """A broker URL names a deployment the transport cannot serve.
+
+    Raised before anything connects, so a mistyped URL never lands on whatever
+    Redis answers on ``localhost:6379``.
+    """

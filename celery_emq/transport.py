@@ -27,7 +27,7 @@ from kombu.utils.json import dumps, loads
 
 from ._compat import ChannelCompat
 from .codec import unpack
-from .errors import BrokerFullError
+from .errors import BrokerFullError, InvalidBrokerURLError
 from .flower import register_if_loaded as register_with_flower_if_loaded
 from .lease import keeper
 from .options import EmqOptions
@@ -36,6 +36,7 @@ from .server import check_server
 from .settle import batcher
 from .store import JobStore
 from .sweeper import Sweeper, sweep_thread
+from .topology import FORMS, BrokerTarget, target_of
 from .worker_state import (
     CLAIM_HEADER,
     WORKER_LOST,
@@ -203,15 +204,19 @@ class Channel(ChannelCompat, kombu_redis.Channel):
         deliveries still running after kombu reset its pools (reconnect).
         """
         if self._store is None:
-            params = self._connparams()
-            params["socket_timeout"] = self.store_timeout_s
-            self._store_pool = redis.ConnectionPool(**params)
             self._store = JobStore(
-                redis.Redis(connection_pool=self._store_pool),
+                self._new_store_client(),
                 self.emq.key_prefix,
                 self.emq.lease_ms,
             )
         return self._store
+
+    def _new_store_client(self) -> Any:
+        """A redis-py client for the store, on a pool of the channel's own."""
+        params = self._connparams()
+        params["socket_timeout"] = self.store_timeout_s
+        self._store_pool = redis.ConnectionPool(**params)
+        return redis.Redis(connection_pool=self._store_pool)
 
     @property
     def store_timeout_s(self) -> float:
@@ -699,6 +704,16 @@ def _budget(value: Any) -> int | Unset | None:
     return UNSET
 
 
+def _channel_class(target: BrokerTarget) -> type[Channel]:
+    """The channel class serving a broker URL's deployment."""
+    if target.kind == "single":
+        return Channel
+    raise InvalidBrokerURLError(
+        f"Redis {target.kind} (emq+{target.kind}://) is not available in this build; "
+        f"the forms served are {FORMS}"
+    )
+
+
 def _task_budget(task_name: str) -> int | Unset | None:
     """Return the ``emq_max_stalled`` attribute of a task of the current app."""
     from celery._state import get_current_app
@@ -719,8 +734,12 @@ class Transport(kombu_redis.Transport):
     driver_name = "emq"
     implements = kombu_redis.Transport.implements.extend(batch_publish=False)
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, client: Any, *args: Any, **kwargs: Any) -> None:
+        # Read the URL before anything connects: a form kombu does not know
+        # would otherwise connect to localhost:6379.
+        self.target = target_of(client)
+        self.Channel = _channel_class(self.target)
+        super().__init__(client, *args, **kwargs)
         # A worker builds its transport (for its banner) before it forks its
         # pool: the probes installed now are inherited by every pool process.
         install_worker_probes()
