@@ -50,6 +50,7 @@ itself prefixed by kombu's ``global_keyprefix`` when one is set).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from .errors import InvalidQueueNameError
 
@@ -94,7 +95,7 @@ class QueueKeys:
         if not self.queue:
             raise InvalidQueueNameError("queue name must not be empty")
 
-    @property
+    @cached_property
     def base(self) -> str:
         """The shared prefix ``<p>:{q}:`` from which scripts derive job keys."""
         return f"{self.prefix}:{{{self.queue}}}:"

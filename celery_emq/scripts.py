@@ -168,7 +168,13 @@ class Scripts:
         self._scripts = {name: client.register_script(script_source(name)) for name in SCRIPT_NAMES}
 
     def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        return self._scripts[name](keys=list(keys), args=list(args), client=self._client)
+        script = self._scripts[name]
+        try:
+            # The common case in one call: the script is already loaded.
+            return self._client.evalsha(script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            # Loads it (after a restart or SCRIPT FLUSH) and runs it again.
+            return script(keys=list(keys), args=list(args), client=self._client)
 
     def enqueue(
         self,

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import pytest
 import redis
 
+from celery_emq.scripts import Outcome
 from celery_emq.store import JobStore
 from tests.e2e.app import client_app
 from tests.e2e.harness import Worker, wait_for
@@ -278,3 +279,17 @@ def test_a_threads_worker_runs_what_it_had_queued_once_across_a_restart(
     assert store.metrics("celery")["stalled"] == 0
     assert worker.proc.poll() is None
     capp.close()
+
+
+def test_scripts_flushed_by_the_server_are_loaded_again(
+    redis_server: Callable[..., RedisServer],
+) -> None:
+    server = redis_server()
+    client = server.client()
+    store = JobStore(client, "flush", 30_000)
+    assert store.enqueue("q", "a", "{}") is Outcome.OK
+    client.script_flush()
+    # The direct EVALSHA misses, the script is loaded again, the call goes through.
+    assert store.enqueue("q", "b", "{}") is Outcome.OK
+    assert store.enqueue("q", "b", "{}") is Outcome.DUPLICATE
+    assert client.zcard(store.keys("q").pending) == 2

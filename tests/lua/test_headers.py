@@ -38,11 +38,21 @@ class Recorder:
         self.calls: list[tuple[list[Any], list[Any]]] = []
 
     def register_script(self, source: str) -> Any:
-        def run(keys: list[Any], args: list[Any], client: Any) -> Any:
-            self.calls.append((keys, args))
-            return 0 if "trim" in source.split("\n", 1)[0] else []
+        recorder = self
 
-        return run
+        class Run:
+            sha = source
+
+            def __call__(self, keys: list[Any], args: list[Any], client: Any) -> Any:
+                recorder.calls.append((keys, args))
+                return 0 if "trim" in source.split("\n", 1)[0] else []
+
+        return Run()
+
+    def evalsha(self, sha: str, numkeys: int, *keys_and_args: Any) -> Any:
+        """The direct call :meth:`Scripts._run` makes (``sha`` is the source here)."""
+        self.calls.append((list(keys_and_args[:numkeys]), list(keys_and_args[numkeys:])))
+        return 0 if "trim" in sha.split("\n", 1)[0] else []
 
 
 Call = Callable[[Scripts, QueueKeys], Any]
