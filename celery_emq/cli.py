@@ -250,6 +250,7 @@ def _filters(f: Callable[..., Any]) -> Callable[..., Any]:
         [
             click.option("--queue", help="Only this queue."),
             click.option("--task", help="Only this task name."),
+            click.option("--task-id", help="Only the job of this Celery task id."),
             click.option("--reason", help="Only this reason (worker_lost, lease_expired, ...)."),
             click.option("--since", help="Died at or after: 30m, 2h, 7d ago, or ISO-8601."),
             click.option("--until", help="Died at or before: 30m, 2h, 7d ago, or ISO-8601."),
@@ -264,6 +265,7 @@ def _filter_args(filters: dict[str, Any]) -> dict[str, Any]:
     return {
         "queue": filters["queue"],
         "task": filters["task"],
+        "task_id": filters["task_id"],
         "reason": filters["reason"],
         "since_ms": _parse_time(filters["since"], "--since"),
         "until_ms": _parse_time(filters["until"], "--until"),
@@ -304,16 +306,16 @@ def dead_ls(ctx: click.Context, /, limit: int | None, as_json: bool, **filters: 
 
 
 @dead.command("show")
-@click.argument("job_id")
+@click.argument("job_id", metavar="ID")
 @click.option("--queue", help="The job's queue (default: search every queue).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
 def dead_show(ctx: click.Context, job_id: str, queue: str | None, as_json: bool) -> None:
-    """Show one dead job: its task, error and the history of its stalls."""
+    """Show one dead job (by job id or Celery task id): task, error, stall history."""
     with _opened(ctx) as (store, _options, _app):
         job = Morgue(store, accepted_content(_app)).show(job_id, queue)
     if job is None:
-        raise click.ClickException(f"no dead job {job_id!r}")
+        raise click.ClickException(_not_found([job_id], queue))
 
     def human() -> str:
         lines = [
@@ -341,14 +343,19 @@ def dead_show(ctx: click.Context, job_id: str, queue: str | None, as_json: bool)
     _emit(job.as_dict(), as_json, human)
 
 
+def _not_found(idents: Sequence[str], queue: str | None) -> str:
+    where = f"queue {queue!r}" if queue else "any queue's morgue"
+    return f"no dead job with job id or Celery task id {', '.join(map(repr, idents))} in {where}"
+
+
 def _selected(job_ids: Sequence[str], all_: bool, filters: dict[str, Any]) -> dict[str, Any]:
     """Check that ids, ``--all`` or filters chose the jobs; return the Morgue arguments."""
     args = _filter_args(filters)
     chosen = any(v is not None for k, v in args.items() if k != "queue")
     if not job_ids and not all_ and not chosen:
-        raise click.ClickException("name job ids, or pass --all or a filter")
+        raise click.ClickException("name job or task ids, or pass --all or a filter")
     if job_ids and (all_ or chosen):
-        raise click.ClickException("give job ids or --all/filters, not both")
+        raise click.ClickException("give job or task ids or --all/filters, not both")
     return args
 
 
@@ -374,21 +381,25 @@ def dead_retry(
     as_json: bool,
     **filters: Any,
 ) -> None:
-    """Retry dead jobs: back to the front of their queue or lane, stall count reset."""
+    """Retry dead jobs (job or Celery task ids): to the front of their queue, stalls reset."""
     args = _selected(job_ids, all_, filters)
+    missing: list[str] = []
     with _opened(ctx) as (store, _options, app):
         morgue = Morgue(store, accepted_content(app))
         if job_ids:
-            retried = morgue.retry(job_ids, rate_per_s=rate, queue=args["queue"])
+            found, missing = morgue.find(job_ids, args["queue"])
+            ids = list(dict.fromkeys(j.id for j in found.values()))
+            retried = morgue.retry(ids, rate_per_s=rate, queue=args["queue"])
+            # Found a moment ago, gone now (another retry or purge won the race).
+            missing += [i for i, j in found.items() if j.id not in retried]
         else:
             retried = morgue.retry(rate_per_s=rate, **_on_server_clock(args, store))
-    missing = sorted(set(job_ids) - set(retried))
     _emit(
         {"retried": retried, "missing": missing},
         as_json,
         lambda: (
             f"retried {len(retried)} job(s)"
-            + (f"; not in the morgue: {', '.join(missing)}" if missing else "")
+            + (f"; {_not_found(missing, args['queue'])}" if missing else "")
         ),
     )
     if missing:
@@ -411,7 +422,7 @@ def dead_purge(
     as_json: bool,
     **filters: Any,
 ) -> None:
-    """Delete dead jobs for good."""
+    """Delete dead jobs for good (by job or Celery task id, --all or filters)."""
     if older_than is not None:
         filters["until"] = older_than
     args = _selected(job_ids, all_, filters)

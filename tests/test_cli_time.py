@@ -19,7 +19,14 @@ def test_a_duration_ago_is_taken_from_the_server_clock(
     monkeypatch.setattr(time, "time", lambda: ahead)
     monkeypatch.setattr(time, "time_ns", lambda: int(ahead * 1e9))
     args = cli._filter_args(
-        {"queue": None, "task": None, "reason": None, "since": None, "until": "30m"}
+        {
+            "queue": None,
+            "task": None,
+            "task_id": None,
+            "reason": None,
+            "since": None,
+            "until": "30m",
+        }
     )
     until = cli._on_server_clock(args, store)["until_ms"]
     assert server - 1_800_000 <= until <= store.server_ms() - 1_800_000
@@ -27,7 +34,14 @@ def test_a_duration_ago_is_taken_from_the_server_clock(
 
 def test_an_iso_time_is_taken_as_it_is(store: JobStore) -> None:
     args = cli._filter_args(
-        {"queue": None, "task": None, "reason": None, "since": "2026-01-02T03:04:05", "until": None}
+        {
+            "queue": None,
+            "task": None,
+            "task_id": None,
+            "reason": None,
+            "since": "2026-01-02T03:04:05",
+            "until": None,
+        }
     )
     resolved = cli._on_server_clock(args, store)
     assert resolved["since_ms"] == 1_767_323_045_000

@@ -117,3 +117,23 @@ def test_purge_by_id_filter_and_age(app: Celery, store: JobStore, client: redis.
     assert morgue.purge(task="proj.c") == 1
     assert morgue.purge(until_ms=25_000) == 1
     assert morgue.ls() == []
+
+
+def test_a_celery_task_id_finds_the_dead_job(
+    app: Celery, store: JobStore, client: redis.Redis
+) -> None:
+    a = kill(app, store, "proj.a", when_ms=10_000)
+    b = kill(app, store, "proj.b", queue="other", when_ms=20_000)
+    morgue = Morgue(store)
+    task_a, task_b = (morgue.show(a).task_id, morgue.show(b).task_id)  # type: ignore[union-attr]
+    assert task_a and task_b and task_a != a
+    # show, ls, retry and purge take the task id that AsyncResult, logs and Flower give.
+    shown = morgue.show(task_b)
+    assert shown is not None and (shown.id, shown.queue) == (b, "other")
+    assert [j.id for j in morgue.ls(task_id=task_a)] == [a]
+    found, missing = morgue.find([task_a, b, "nope"])
+    assert ({i: j.id for i, j in found.items()}, missing) == ({task_a: a, b: b}, ["nope"])
+    assert morgue.retry([task_a]) == [a]
+    assert client.zrange(store.keys("celery").pending, 0, 0) == [a.encode()]
+    assert morgue.purge([task_b]) == 1
+    assert morgue.ls() == []

@@ -47,13 +47,22 @@ def test_dead_ls_lists_and_retry_runs_it(
 
     shown = emq(e2e_env, "dead", "show", job["id"])
     assert "history:" in shown.stdout and shown.stdout.count("worker_lost") >= 2
+    # The Celery task id, which is what AsyncResult, logs and Flower show, works as well.
+    by_task = emq(e2e_env, "dead", "show", result.id)
+    assert by_task.returncode == 0, by_task.stderr
+    assert f"job        {job['id']}" in by_task.stdout
+    listed = emq(e2e_env, "dead", "ls", "--task-id", result.id, "--json")
+    assert [j["id"] for j in json.loads(listed.stdout)["jobs"]] == [job["id"]]
+    missing = emq(e2e_env, "dead", "show", "no-such-id")
+    assert missing.returncode != 0
+    assert "job id or Celery task id" in missing.stderr and "no-such-id" in missing.stderr
 
     status = json.loads(emq(e2e_env, "status", "--json").stdout)
     [celery_q] = [q for q in status["queues"] if q["queue"] == "celery"]
     assert celery_q["dead"] == 1 and celery_q["counters"]["failed"] == 1
 
     client.set(prefix + "cured:c", 1)
-    retried = emq(e2e_env, "dead", "retry", job["id"], "--json")
+    retried = emq(e2e_env, "dead", "retry", result.id, "--json")
     assert retried.returncode == 0, retried.stderr
     assert json.loads(retried.stdout) == {"retried": [job["id"]], "missing": []}
     wait_for(lambda: client.hget(prefix + "runs", "c") == b"3", 30)
@@ -63,10 +72,12 @@ def test_dead_ls_lists_and_retry_runs_it(
 def test_errors_are_one_line_and_non_zero(e2e_env: dict[str, str]) -> None:
     missing = emq(e2e_env, "dead", "show", "no-such-job")
     assert missing.returncode != 0
-    assert missing.stderr.strip() == "Error: no dead job 'no-such-job'"
+    assert missing.stderr.strip() == (
+        "Error: no dead job with job id or Celery task id 'no-such-job' in any queue's morgue"
+    )
     unselected = emq(e2e_env, "dead", "retry")
     assert unselected.returncode != 0
-    assert unselected.stderr.strip() == "Error: name job ids, or pass --all or a filter"
+    assert unselected.stderr.strip() == "Error: name job or task ids, or pass --all or a filter"
     bad_time = emq(e2e_env, "dead", "ls", "--since", "yesterday-ish")
     assert bad_time.returncode != 0 and "--since" in bad_time.stderr
     wrong_broker = emq({**e2e_env, "EMQ_E2E_REDIS": "redis://127.0.0.1:1/0"}, "status")
