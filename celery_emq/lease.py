@@ -26,7 +26,15 @@ from .scripts import Outcome
 if TYPE_CHECKING:
     from .store import JobStore
 
-__all__ = ["Claim", "LeaseKeeper", "delivery_tag", "keeper", "parse_tag", "worker_identity"]
+__all__ = [
+    "Claim",
+    "LeaseKeeper",
+    "delivery_tag",
+    "keeper",
+    "owner_node",
+    "parse_tag",
+    "worker_identity",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +74,26 @@ class Claim(NamedTuple):
 
 
 def worker_identity() -> str:
-    """Return this process's stable lease owner (host, pid and a random part)."""
+    """Return this process's stable lease owner: node, pid and a random part.
+
+    The node is the Celery worker's node name (``celery@host``) once its
+    consumer started, else the host name. A sweep elsewhere reads it back from
+    a dead job's history to report the failure from the worker that held it
+    (:func:`owner_node`).
+    """
     global _identity
     if _identity is None:
-        _identity = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+        from .worker_state import worker_nodename
+
+        node = worker_nodename() or socket.gethostname()
+        _identity = f"{node}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
     return _identity
+
+
+def owner_node(owner: str) -> str | None:
+    """The Celery node name in a lease owner, if the owner was a started worker."""
+    node = owner.rsplit(":", 2)[0] if owner.count(":") >= 2 else ""
+    return node if "@" in node else None
 
 
 def keeper() -> LeaseKeeper:

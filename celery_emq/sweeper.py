@@ -9,9 +9,9 @@ process consumes, so recovery needs nothing but workers.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import socket
 import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -25,6 +25,7 @@ from .options import EmqOptions
 from .scripts import Outcome, Swept
 from .signals import job_dead_lettered, job_recovered, job_stalled
 from .store import PROMOTE_BATCH, JobStore
+from .worker_state import worker_nodename
 
 __all__ = ["SweepReport", "Sweeper", "sweep_thread"]
 
@@ -65,10 +66,15 @@ class Sweeper:
             dead-lettered task; ``None`` uses the current app when one exists.
     """
 
-    def __init__(self, store: JobStore, options: EmqOptions, app: Any = None) -> None:
+    def __init__(
+        self, store: JobStore, options: EmqOptions, app: Any = None, node: str | None = None
+    ) -> None:
         self.store = store
         self.options = options
         self.app = app
+        #: The Celery node a dead task's ``task-failed`` event is sent from
+        #: (the worker running the sweep); see :meth:`_failure_node`.
+        self.node = node
 
     def sweep(self, queue: str, now_ms: int | None = None) -> SweepReport:
         """Count a stall on every lapsed job of ``queue``; recover or dead-letter each.
@@ -246,8 +252,15 @@ class Sweeper:
                 backend.mark_as_failure(info.task_id, exc, call_errbacks=False)
         except Exception:
             logger.exception("celery_emq: could not store the failure of %s", info.task_id)
+        node = self._failure_node(info)
+        if node is None:
+            logger.info(
+                "celery_emq: no worker to report the failure of %s from (sent no task-failed)",
+                info.task_id,
+            )
+            return
         try:
-            with app.events.default_dispatcher(hostname=_hostname()) as dispatcher:
+            with app.events.default_dispatcher(hostname=node) as dispatcher:
                 dispatcher.send(
                     "task-failed",
                     uuid=info.task_id,
@@ -256,6 +269,27 @@ class Sweeper:
                 )
         except Exception:
             logger.exception("celery_emq: could not send task-failed for %s", info.task_id)
+
+    def _failure_node(self, info: JobInfo) -> str | None:
+        """The real worker a dead task's failure is reported from, or ``None``.
+
+        The worker running this sweep (given, or this process's consuming
+        worker), else the worker that last held the job (from its stall
+        history). Never a made-up node: Flower would list it as a worker.
+        """
+        node = self.node or worker_nodename()
+        if node:
+            return node
+        try:
+            raw = self.store.client.hget(self.store.keys(info.queue).job(info.id), "history")
+            history = json.loads(raw) if raw else []
+        except Exception:
+            return None
+        for entry in reversed(history if isinstance(history, list) else []):
+            owner = entry.get("owner") if isinstance(entry, dict) else None
+            if isinstance(owner, str) and (found := lease.owner_node(owner)):
+                return found
+        return None
 
 
 def _send(signal: Any, info: JobInfo) -> None:
@@ -278,10 +312,6 @@ def _current_app() -> Any:
         return get_current_app()
     except Exception:
         return None
-
-
-def _hostname() -> str:
-    return f"emq-sweep@{socket.gethostname()}"
 
 
 class SweepThread:

@@ -54,7 +54,8 @@ def sweep(self: Any, queues: Sequence[str] | None = None, reap: bool = False) ->
     Returns a report per queue: recovered, dead and reaped job ids, trimmed count.
     """
     with open_store(self.app) as (store, options):
-        reports = Sweeper(store, options, app=self.app).run(queues or (), reap)
+        node = getattr(self.request, "hostname", None)
+        reports = Sweeper(store, options, app=self.app, node=node).run(queues or (), reap)
         return {r.queue: r.as_dict() for r in reports}
 
 

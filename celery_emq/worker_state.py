@@ -27,6 +27,7 @@ __all__ = [
     "pop_mark",
     "settled",
     "started_delivery_tags",
+    "worker_nodename",
 ]
 
 logger = logging.getLogger(__name__)
@@ -155,12 +156,31 @@ def install_worker_probes() -> None:
         "on_invalid_task",
         lambda self, body, message, exc: _mark(message, "invalid_task", _error(exc)),
     )
+    _wrap(Consumer, "start", lambda self: _note_nodename(self.hostname))
     _install_worker_lost_probe()
     _install_revoke_probe()
     _install_start_recorder()
     _install_submit_probe()
     _install_accept_probe()
     keep_started_jobs_on_flush()
+
+
+_nodename: str | None = None
+
+
+def _note_nodename(hostname: Any) -> None:
+    global _nodename
+    if isinstance(hostname, str) and hostname:
+        _nodename = hostname
+
+
+def worker_nodename() -> str | None:
+    """This worker's node name (``celery@host``), once its consumer started; else ``None``.
+
+    Known in the worker's main process (where the transport claims, renews and
+    sweeps), not in pool processes forked before the consumer started.
+    """
+    return _nodename
 
 
 def _written(job: Any) -> bool:

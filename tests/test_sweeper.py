@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -55,7 +56,8 @@ def test_dead_letter_fires_signals_stores_failure_and_sends_event(
     sweeper = Sweeper(store, EmqOptions(max_stalled=1), app=app)
     result, job_id = lapse_one(app, store, 1000)
     assert sweeper.sweep("celery", now_ms=7000).recovered == [job_id]
-    [again] = store.claim("celery", "w2", now_ms=8000)
+    # The last holder is a started worker: its lease owner carries its node name.
+    [again] = store.claim("celery", "w2@host:42:abc", now_ms=8000)
     store.start("celery", again.id, again.deliveries)
     events: list[dict[str, Any]] = []
     with app.connection_for_read() as conn:
@@ -90,6 +92,24 @@ def test_dead_letter_fires_signals_stores_failure_and_sends_event(
     with pytest.raises(StalledJobError, match="stalled 2 times"):
         result.get(timeout=5)
     assert [e["uuid"] for e in events] == [result.id]
+    # Reported from the worker that last held the task, not from a made-up node.
+    assert [e["hostname"] for e in events] == ["w2@host"]
+
+
+def test_failure_node_is_the_sweeping_worker_or_the_last_holder_or_none(
+    app: Celery, client: redis.Redis, prefix: str
+) -> None:
+    store = JobStore(client, prefix + "emq", 5000)
+    info = JobInfo(id="j", queue="celery")
+    k = store.keys("celery")
+    assert Sweeper(store, EmqOptions(), app=app, node="beat@h")._failure_node(info) == "beat@h"
+    sweeper = Sweeper(store, EmqOptions(), app=app)
+    assert sweeper._failure_node(info) is None  # nothing known: no event at all
+    history = [{"owner": "w1@h:1:a"}, {"owner": "h:2:b"}, {"owner": "w3@h:3:c"}]
+    client.hset(k.job("j"), "history", json.dumps(history))
+    assert sweeper._failure_node(info) == "w3@h"
+    client.hset(k.job("j"), "history", json.dumps(history[:2]))
+    assert sweeper._failure_node(info) == "w1@h"  # a holder that was no worker is skipped
 
 
 def test_a_raising_handler_never_breaks_the_sweep(

@@ -88,6 +88,11 @@ def test_flower_shows_dead_lettered_task_as_failed_and_queue_lengths(
             interval=0.5,
         )
         assert "StalledJobError" in (task.get("exception") or "")
+        # The failure is shown on the worker that exists, and no other worker appears.
+        assert (task.get("worker") or "").startswith("flowerw@"), task.get("worker")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/workers?json=1", timeout=5) as r:
+            shown = [w["hostname"] for w in json.loads(r.read())["data"]]
+        assert shown and all(name.startswith("flowerw@") for name in shown), shown
         assert (get(port, "/api/tasks") or {})[ok.id]["state"] == "SUCCESS"
 
         lengths = get(port, "/api/queues/length")
