@@ -239,8 +239,8 @@ class Sweeper:
         if app is None or not info.task_id:
             return
         exc = StalledJobError(
-            f"{info.task_name}[{info.task_id}] dead-lettered from {info.queue}: "
-            f"stalled {info.stalled} times ({info.reason})",
+            f"{info.task_name}[{info.task_id}] dead-lettered from {info.queue} as job "
+            f"{info.id}: stalled {info.stalled} times ({info.reason})",
             info.id,
             info.queue,
             info.stalled,

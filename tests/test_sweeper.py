@@ -89,9 +89,12 @@ def test_dead_letter_fires_signals_stores_failure_and_sends_event(
         {"k": 2},
     )
     assert (dead.queue, dead.stalled, dead.reason) == ("celery", 2, "lease_expired")
-    with pytest.raises(StalledJobError, match="stalled 2 times"):
+    with pytest.raises(StalledJobError, match="stalled 2 times") as err:
         result.get(timeout=5)
+    # The text names the job id that `celery emq dead` and the Morgue API list.
+    assert f"job {job_id}" in str(err.value)
     assert [e["uuid"] for e in events] == [result.id]
+    assert f"job {job_id}" in events[0]["exception"]
     # Reported from the worker that last held the task, not from a made-up node.
     assert [e["hostname"] for e in events] == ["w2@host"]
 
