@@ -7,9 +7,10 @@ Redis options (``socket_timeout``, ``global_keyprefix``, ...) keep their meaning
 
 from __future__ import annotations
 
+import difflib
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from .errors import InvalidOptionError
@@ -17,6 +18,40 @@ from .errors import InvalidOptionError
 logger = logging.getLogger(__name__)
 
 __all__ = ["EmqOptions"]
+
+
+#: Transport options that belong to kombu or Celery (its connection retry policy),
+#: never taken for a misspelling of ours.
+_THEIRS = frozenset(
+    {
+        "ack_emulation", "body_encoding", "client_name", "confirm_publish",
+        "deadletter_queue", "fanout_patterns", "fanout_prefix", "global_keyprefix",
+        "health_check_interval", "interval_max", "interval_start", "interval_step",
+        "master_name", "max_connections", "max_retries", "min_other_sentinels",
+        "polling_interval", "priority_steps", "queue_order_strategy", "retry_on_timeout",
+        "sentinel_fanout_compat", "sentinel_kwargs", "sep", "socket_connect_timeout",
+        "socket_keepalive", "socket_keepalive_options", "socket_timeout",
+        "unacked_index_key", "unacked_key", "unacked_mutex_expire", "unacked_mutex_key",
+        "unacked_restore_interval", "unacked_restore_limit", "unacked_restore_throttle",
+        "visibility_timeout",
+    }
+)  # fmt: skip
+_warned: set[str] = set()
+
+
+def _warn_near_misses(topts: Mapping[str, Any], ours: list[str]) -> None:
+    """Warn, once per process and name, of an unknown option that looks like one of ours."""
+    for name in topts:
+        if not isinstance(name, str) or name in ours or name in _THEIRS or name in _warned:
+            continue
+        close = difflib.get_close_matches(name, ours, n=1, cutoff=0.6)
+        if close:
+            _warned.add(name)
+            logger.warning(
+                "celery_emq: unknown transport option %r is ignored; did you mean %r?",
+                name,
+                close[0],
+            )
 
 
 def _int(topts: Mapping[str, Any], name: str, default: int, low: int, high: int) -> int:
@@ -67,7 +102,12 @@ class EmqOptions:
         Raises:
             InvalidOptionError: an option is outside its accepted range; the
                 message names the option.
+
+        An unknown option close to one of these (``lease_msec``) is logged as a
+        warning, once, naming the likely one; it is otherwise ignored, as
+        options for other transports are.
         """
+        _warn_near_misses(topts, [f.name for f in fields(cls)])
         lease_ms = _int(topts, "lease_ms", cls.lease_ms, 500, 86_400_000)
         renew_default = max(lease_ms // 3, 100)
         renew_interval_ms = _int(

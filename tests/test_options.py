@@ -41,3 +41,34 @@ def test_invalid_option_is_named(opts: dict[str, object], name: str) -> None:
         EmqOptions.from_transport_options(opts)
     assert info.value.option == name
     assert name in str(info.value)
+
+
+def test_a_misspelt_option_warns_once_naming_ours(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="celery_emq.options"):
+        EmqOptions.from_transport_options({"lease_msec": 5000})
+        EmqOptions.from_transport_options({"lease_msec": 5000})
+    warned = [r.getMessage() for r in caplog.records if "lease_msec" in r.getMessage()]
+    assert len(warned) == 1
+    assert "'lease_msec'" in warned[0] and "'lease_ms'" in warned[0]
+
+
+def test_other_transports_options_and_far_names_pass_quietly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("WARNING", logger="celery_emq.options"):
+        EmqOptions.from_transport_options(
+            {
+                # kombu's own Redis options, Celery's publish retry ones, and a
+                # name close to none of ours.
+                "visibility_timeout": 3600,
+                "polling_interval": 1,
+                "interval_start": 0,
+                "interval_step": 0.2,
+                "interval_max": 0.5,
+                "max_retries": 3,
+                "socket_timeout": 5,
+                "queue_order_strategy": "priority",
+                "something_else": 1,
+            }
+        )
+    assert [r.getMessage() for r in caplog.records] == []
