@@ -29,7 +29,7 @@ import click
 
 from .errors import EmqError
 from .jobs import accepted_content
-from .morgue import DeadJob, Morgue
+from .morgue import REASONS, DeadJob, Morgue
 from .options import EmqOptions
 from .server import check_server
 from .status import queue_status
@@ -129,9 +129,30 @@ def _opened(ctx: click.Context) -> Iterator[tuple[JobStore, EmqOptions, Any]]:
     except EmqError as exc:
         raise click.ClickException(str(exc)) from None
     except Exception as exc:
-        if type(exc).__module__.startswith(("redis", "kombu")):
-            raise click.ClickException(f"cannot reach the broker: {exc}") from None
+        said = _broker_error(exc)
+        if said is not None:
+            raise click.ClickException(said) from None
         raise
+
+
+def _broker_error(exc: BaseException) -> str | None:
+    """One line saying what the broker's error means, or ``None`` if it is not one."""
+    import redis
+
+    seen: BaseException | None = exc
+    while seen is not None:  # kombu wraps redis-py's errors
+        if isinstance(seen, redis.AuthenticationError) or any(
+            word in str(seen) for word in ("WRONGPASS", "NOAUTH", "invalid username-password")
+        ):
+            return f"the broker refused the credentials: {seen}"
+        if isinstance(seen, redis.exceptions.NoPermissionError):
+            return f"the broker's ACL does not allow a command celery_emq needs: {seen}"
+        if isinstance(seen, redis.ConnectionError | redis.TimeoutError | OSError):
+            return f"cannot reach the broker: {seen}"
+        seen = seen.__cause__ or seen.__context__
+    if type(exc).__module__.startswith(("redis", "kombu")):
+        return f"the broker answered with an error: {exc}"
+    return None
 
 
 @click.group(name="emq")
@@ -251,7 +272,7 @@ def _filters(f: Callable[..., Any]) -> Callable[..., Any]:
             click.option("--queue", help="Only this queue."),
             click.option("--task", help="Only this task name."),
             click.option("--task-id", help="Only the job of this Celery task id."),
-            click.option("--reason", help="Only this reason (worker_lost, lease_expired, ...)."),
+            click.option("--reason", type=click.Choice(REASONS), help="Only this reason."),
             click.option("--since", help="Died at or after: 30m, 2h, 7d ago, or ISO-8601."),
             click.option("--until", help="Died at or before: 30m, 2h, 7d ago, or ISO-8601."),
         ]

@@ -29,10 +29,24 @@ from typing import Any
 from .jobs import DEFAULT_ACCEPT, accepted_content, describe
 from .store import JobStore
 
-__all__ = ["DeadJob", "Morgue"]
+__all__ = ["REASONS", "DeadJob", "Morgue"]
 
 #: Rows read per round trip while listing.
 PAGE = 500
+
+#: Every reason a dead job can carry (``reason``), and ``stalled`` (``last_error``
+#: of every job that died of its stalls): the values :meth:`Morgue.ls` filters on.
+REASONS: tuple[str, ...] = (
+    "worker_lost",  # its pool process died under it (or the worker was killed)
+    "lease_expired",  # its lease lapsed (the worker vanished or stopped renewing)
+    "malformed",  # the message could not be decoded
+    "content_disallowed",  # its content type is not one the app accepts
+    "unknown_task",  # no worker knows its task name
+    "invalid_task",  # Celery refused the message as a task
+    "unknown_message",  # not a task message
+    "rejected",  # a consumer rejected it without requeue
+    "stalled",  # any death by stalls (lease_expired or worker_lost)
+)
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,9 @@ def test_errors_are_one_line_and_non_zero(e2e_env: dict[str, str]) -> None:
     unselected = emq(e2e_env, "dead", "retry")
     assert unselected.returncode != 0
     assert unselected.stderr.strip() == "Error: name job or task ids, or pass --all or a filter"
+    bad_reason = emq(e2e_env, "dead", "ls", "--reason", "worker-lost")
+    assert bad_reason.returncode != 0
+    assert "'worker-lost'" in bad_reason.stderr and "worker_lost" in bad_reason.stderr
     bad_time = emq(e2e_env, "dead", "ls", "--since", "yesterday-ish")
     assert bad_time.returncode != 0 and "--since" in bad_time.stderr
     wrong_broker = emq({**e2e_env, "EMQ_E2E_REDIS": "redis://127.0.0.1:1/0"}, "status")
