@@ -10,6 +10,7 @@ is), so it takes ``-A app`` and the app's broker settings::
     celery -A proj emq dead show JOB_ID [--json]
     celery -A proj emq dead retry (JOB_ID... | --all | filters) [--rate N]
     celery -A proj emq dead purge (JOB_ID... | --all | filters | --older-than S)
+    celery -A proj emq migrate --from redis://host/db [--queue Q]... [--unacked] [--dry-run]
 
 Human output is a table; ``--json`` output is stable for scripts. Errors are
 one line on stderr and a non-zero exit.
@@ -454,3 +455,55 @@ def dead_purge(
         else:
             n = morgue.purge(**_on_server_clock(args, store))
     _emit({"purged": n}, as_json, lambda: f"purged {n} job(s)")
+
+
+@emq.command()
+@click.option("--from", "source_url", required=True, help="The stock broker: redis://host:port/db.")
+@click.option("--from-keyprefix", default="", help="kombu's global_keyprefix on the source.")
+@click.option("--queue", "queues", multiple=True, help="Only this queue (repeatable).")
+@click.option(
+    "--unacked", is_flag=True, help="Also move delivered, unacked messages (their workers gone)."
+)
+@click.option("--dry-run", is_flag=True, help="Count what would move; move nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def migrate(
+    ctx: click.Context,
+    source_url: str,
+    from_keyprefix: str,
+    queues: tuple[str, ...],
+    unacked: bool,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
+    """Move tasks waiting on the stock redis:// transport into this app's emq:// broker."""
+    from .migrate import migrate_app
+
+    try:
+        counts = migrate_app(
+            ctx.obj.app, source_url, from_keyprefix, queues, unacked=unacked, dry_run=dry_run
+        )
+    except EmqError as exc:
+        raise click.ClickException(str(exc)) from None
+    rows = [c.as_dict() for c in counts]
+
+    def human() -> str:
+        text = _table(
+            [
+                (
+                    r["queue"],
+                    r["waiting"],
+                    r["unacked"],
+                    r["moved"],
+                    r["moved_unacked"],
+                    r["already"],
+                )
+                for r in rows
+            ],
+            ("queue", "waiting", "unacked", "moved", "moved unacked", "already moved"),
+        )
+        total = sum(r["moved"] + r["moved_unacked"] for r in rows)
+        tail = "dry run: nothing moved" if dry_run else f"moved {total} message(s)"
+        return f"{text}\n{tail}"
+
+    _emit({"dry_run": dry_run, "queues": {r["queue"]: r for r in rows}}, as_json, human)

@@ -36,6 +36,8 @@ key                             type    content
 ``<p>:{q}:metrics:<name>``      HASH    counters (field ``count``): ``completed``,
                                         ``recovered``, ``stalled``, ``failed``,
                                         ``retried``
+``<p>:{q}:migrated``            ZSET    source delivery tags ``emq migrate`` moved into
+                                        the queue; score = when (ms); PX 7 days
 ``<p>:queues``                  SET     registry of task queues: queues that hold
                                         leased work (no hash tag: read by the
                                         sweep and the CLI, never by a script)
@@ -111,6 +113,10 @@ class QueueKeys:
     @property
     def dead(self) -> str:
         return self.base + "dead"
+
+    @property
+    def migrated(self) -> str:
+        return self.base + "migrated"
 
     @property
     def wake(self) -> str:
