@@ -352,15 +352,32 @@ class JobStore:
         and ``lanes`` (how many); the lanes map each group with pending jobs to
         their number; the heads are the ``enqueued_ms`` of each lane's next job.
         """
-        k = self.keys(queue)
-        counts, page = self.scripts.tally(k, 0, LANE_PAGE, heads)
-        rows = list(page)
-        while len(rows) < counts["lanes"] and len(page) == LANE_PAGE:
-            page = self.scripts.tally(k, len(rows), LANE_PAGE, heads)[1]
-            rows += page
-        lanes = {g: n for g, n, _ in rows if n}
-        counts["pending"] += sum(lanes.values())
-        return counts, lanes, [h for _, _, h in rows if h is not None]
+        return self.tallies([queue], heads)[0]
+
+    def tallies(
+        self, queues: Sequence[str], heads: bool = False
+    ) -> list[tuple[dict[str, int], dict[str, int], list[int]]]:
+        """Return :meth:`tally` of each of ``queues``, in one round trip for them all.
+
+        One more round trip per queue for each further :data:`LANE_PAGE` lanes
+        it has (none for most queues).
+        """
+        if not queues:
+            return []
+        batch = self.scripts.batch()
+        handles = [batch.tally(self.keys(q), 0, LANE_PAGE, heads) for q in queues]
+        batch.execute()
+        out = []
+        for queue, handle in zip(queues, handles, strict=True):
+            counts, page = batch.result(handle)
+            rows = list(page)
+            while len(rows) < counts["lanes"] and len(page) == LANE_PAGE:
+                page = self.scripts.tally(self.keys(queue), len(rows), LANE_PAGE, heads)[1]
+                rows += page
+            lanes = {g: n for g, n, _ in rows if n}
+            counts["pending"] += sum(lanes.values())
+            out.append((counts, lanes, [h for _, _, h in rows if h is not None]))
+        return out
 
     def waiting(self, queues: Sequence[str]) -> list[str]:
         """Promote due delayed jobs; return those of ``queues`` that have jobs to claim.
