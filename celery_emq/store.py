@@ -352,7 +352,8 @@ class JobStore:
         and ``lanes`` (how many); the lanes map each group with pending jobs to
         their number; the heads are the ``enqueued_ms`` of each lane's next job.
         """
-        return self.tallies([queue], heads)[0]
+        counts, page = self.scripts.tally(self.keys(queue), 0, LANE_PAGE, heads)
+        return self._lanes_read(queue, counts, page, heads)
 
     def tallies(
         self, queues: Sequence[str], heads: bool = False
@@ -370,14 +371,24 @@ class JobStore:
         out = []
         for queue, handle in zip(queues, handles, strict=True):
             counts, page = batch.result(handle)
-            rows = list(page)
-            while len(rows) < counts["lanes"] and len(page) == LANE_PAGE:
-                page = self.scripts.tally(self.keys(queue), len(rows), LANE_PAGE, heads)[1]
-                rows += page
-            lanes = {g: n for g, n, _ in rows if n}
-            counts["pending"] += sum(lanes.values())
-            out.append((counts, lanes, [h for _, _, h in rows if h is not None]))
+            out.append(self._lanes_read(queue, counts, page, heads))
         return out
+
+    def _lanes_read(
+        self,
+        queue: str,
+        counts: dict[str, int],
+        page: list[tuple[str, int, int | None]],
+        heads: bool,
+    ) -> tuple[dict[str, int], dict[str, int], list[int]]:
+        """Finish a tally from its first page: read the further lane pages, add the lanes up."""
+        rows = list(page)
+        while len(rows) < counts["lanes"] and len(page) == LANE_PAGE:
+            page = self.scripts.tally(self.keys(queue), len(rows), LANE_PAGE, heads)[1]
+            rows += page
+        lanes = {g: n for g, n, _ in rows if n}
+        counts["pending"] += sum(lanes.values())
+        return counts, lanes, [h for _, _, h in rows if h is not None]
 
     def waiting(self, queues: Sequence[str]) -> list[str]:
         """Promote due delayed jobs; return those of ``queues`` that have jobs to claim.
