@@ -18,6 +18,7 @@ the first emq:// connection in the process calls it otherwise, which covers
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import sys
@@ -131,13 +132,16 @@ def _hook_flower_app() -> None:
         from flower.app import Flower
     except ImportError:
         return
-    original = Flower.__init__
+    if not getattr(Flower.__init__, "_emq_attaches", False):
+        original = Flower.__init__
 
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        attach(self)
+        @functools.wraps(original)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            attach(self)
 
-    Flower.__init__ = __init__
+        __init__._emq_attaches = True  # type: ignore[attr-defined]
+        Flower.__init__ = __init__
     for obj in gc.get_objects():
         if isinstance(obj, Flower):
             attach(obj)
