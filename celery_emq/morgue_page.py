@@ -58,8 +58,11 @@ def _age(ms: int | None) -> str:
 class EmqHandler(BaseHandler):  # type: ignore[misc]
     """What the morgue pages share: templates, the store, blocking calls off the loop."""
 
-    def get_template_path(self) -> str:
-        return TEMPLATES
+    #: Set while one of our pages renders; Flower's error pages come from its own templates.
+    _ours = False
+
+    def get_template_path(self) -> str | None:
+        return TEMPLATES if self._ours else super().get_template_path()
 
     @property
     def root(self) -> str:
@@ -80,7 +83,11 @@ class EmqHandler(BaseHandler):  # type: ignore[misc]
         return value.strip() or None if value is not None else None
 
     def page(self, template: str, **kwargs: Any) -> None:
-        self.render(template, root=self.root, when=_when, age=_age, **kwargs)
+        self._ours = True
+        try:
+            self.render(template, root=self.root, when=_when, age=_age, **kwargs)
+        finally:
+            self._ours = False
 
 
 class MorguePage(EmqHandler):

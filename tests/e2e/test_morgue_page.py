@@ -141,6 +141,7 @@ def test_morgue_page_lists_shows_and_retries_a_dead_job(
     # Flower's authentication guards the page and its buttons.
     assert status(flower, "/emq") == 401
     assert status(flower, "/emq", auth=True) == 200
+    assert status(flower, "/emq/job/celery/no-such-job", auth=True) == 404
     # A form post with credentials but without the XSRF token is refused.
     form = urllib.parse.urlencode({"id": result.id}).encode()
     assert status(flower, "/emq/retry", data=form, auth=True) == 403
