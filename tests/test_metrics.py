@@ -7,7 +7,9 @@ from typing import Any
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
 from redis.connection import AbstractConnection
+from redis.retry import Retry
 
 from celery_emq.store import JobStore
 
@@ -164,6 +166,8 @@ def test_a_scrape_of_100_queues_costs_the_round_trips_of_one(
 
 
 def test_a_broker_that_cannot_be_read_says_emq_up_0(client: redis.Redis, prefix: str) -> None:
-    dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.5)
+    dead = redis.Redis(
+        host="127.0.0.1", port=1, socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0)
+    )
     got = scrape(EmqCollector(JobStore(dead, prefix + "emq", 5000)))
     assert got == {("emq_up", ()): 0}
