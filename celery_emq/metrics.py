@@ -47,6 +47,10 @@ logger = logging.getLogger(__name__)
 
 STATES: tuple[str, ...] = ("pending", "active", "delayed", "dead")
 
+#: Reasons every by-reason counter shows from 0, so that its first increase is seen
+#: (a series that appears at 1 shows no ``increase()``); others appear when counted.
+STALL_REASONS: tuple[str, ...] = ("lease_expired", "worker_lost")
+
 #: Counter metric (without ``_total``) -> (store counter, whether split by reason).
 COUNTERS: dict[str, tuple[str, bool, str]] = {
     "emq_jobs_completed": ("completed", False, "Jobs completed (acknowledged)."),
@@ -171,7 +175,8 @@ def _families(rows: list[dict[str, Any]], up: bool) -> Iterator[Metric]:
         lease_age.add_metric([q], (row["oldest_lease_age_ms"] or 0) / 1000)
         for name, (counter, split, _) in COUNTERS.items():
             if split:
-                for reason, n in sorted(row["reasons"][counter].items()):
+                by_reason = {**dict.fromkeys(STALL_REASONS, 0), **row["reasons"][counter]}
+                for reason, n in sorted(by_reason.items()):
                     counters[name].add_metric([q, reason], n)
             else:
                 counters[name].add_metric([q], row["counters"][counter])

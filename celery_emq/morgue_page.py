@@ -23,15 +23,13 @@ from tornado.ioloop import IOLoop
 
 from .errors import EmqError
 from .jobs import accepted_content
-from .morgue import Morgue
+from .morgue import REASONS, Morgue
 from .status import queue_statuses
 
 __all__ = ["LIST_LIMIT", "handlers"]
 
 #: Most dead jobs the list shows (the newest deaths first).
 LIST_LIMIT = 500
-#: Reasons offered by the filter (others found in the morgue are added).
-REASONS: tuple[str, ...] = ("worker_lost", "lease_expired", "stalled", "malformed", "rejected")
 
 TEMPLATES = str(Path(__file__).parent / "templates" / "emq")
 
@@ -101,7 +99,7 @@ class MorguePage(EmqHandler):
             queues, jobs = await self.blocking(self._read, filters)
         except (EmqError, ValueError) as exc:
             queues, jobs, error = [], [], str(exc)
-        reasons = sorted(set(REASONS) | {j.reason for j in jobs})
+        reasons = [*REASONS, *sorted({j.reason for j in jobs} - set(REASONS))]
         self.page(
             "morgue.html",
             queues=queues,

@@ -84,6 +84,9 @@ def test_one_scrape_reads_counts_lanes_ages_and_counters(store: JobStore) -> Non
     assert q1("emq_oldest_lease_age_seconds") == 50.0
     assert q1("emq_jobs_dead_lettered_total", reason="malformed") == 1
     assert q1("emq_jobs_completed_total") == 0
+    # The stall reasons show from 0, so that their first increase is seen.
+    assert q1("emq_jobs_stalled_total", reason="worker_lost") == 0
+    assert q1("emq_jobs_dead_lettered_total", reason="lease_expired") == 0
 
     def q2(name: str, **labels: str) -> float:
         return got[(name, tuple(sorted({"queue": "q2", **labels}.items())))]
@@ -114,7 +117,7 @@ def test_counts_from_before_reasons_were_kept_show_as_unknown(store: JobStore) -
         for (name, labels), v in got.items()
         if name == "emq_jobs_stalled_total"
     }
-    assert stalled == {"worker_lost": 2, "unknown": 3}
+    assert stalled == {"worker_lost": 2, "unknown": 3, "lease_expired": 0}
 
 
 class RoundTrips:
