@@ -11,6 +11,7 @@ is), so it takes ``-A app`` and the app's broker settings::
     celery -A proj emq dead retry (JOB_ID... | --all | filters) [--rate N]
     celery -A proj emq dead purge (JOB_ID... | --all | filters | --older-than S)
     celery -A proj emq migrate --from redis://host/db [--queue Q]... [--unacked] [--dry-run]
+    celery -A proj emq exporter --port N [--addr 127.0.0.1]
 
 Human output is a table; ``--json`` output is stable for scripts. Errors are
 one line on stderr and a non-zero exit.
@@ -507,3 +508,44 @@ def migrate(
         return f"{text}\n{tail}"
 
     _emit({"dry_run": dry_run, "queues": {r["queue"]: r for r in rows}}, as_json, human)
+
+
+@emq.command()
+@click.option("--port", type=click.IntRange(0, 65535), required=True, help="Port to listen on.")
+@click.option("--addr", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.pass_context
+def exporter(ctx: click.Context, port: int, addr: str) -> None:
+    """Serve the Prometheus metrics at http://ADDR:PORT/metrics until SIGINT or SIGTERM."""
+    try:
+        from prometheus_client import CollectorRegistry, make_wsgi_app
+    except ImportError:
+        raise click.ClickException(
+            "the exporter needs prometheus_client: pip install 'celery-emq[metrics]'"
+        ) from None
+    import signal
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+    from .metrics import AppStore, EmqCollector
+
+    class QuietHandler(WSGIRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            """Scrapes are not logged."""
+
+    source = AppStore(ctx.obj.app)
+    registry = CollectorRegistry()
+    registry.register(EmqCollector(source))
+    server = make_server(addr, port, make_wsgi_app(registry), handler_class=QuietHandler)
+
+    def stop(signum: int, _frame: Any) -> None:
+        raise SystemExit(0)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    click.echo(f"serving emq metrics on http://{addr}:{server.server_port}/metrics")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        server.server_close()
+        source.reset()

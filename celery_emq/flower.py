@@ -5,14 +5,24 @@ queue lengths come from the job store: ``messages_ready`` is what is pending
 (lanes included), ``messages_unacknowledged`` what is leased, ``messages`` both,
 and ``messages_dead`` (API only) what is in the morgue.
 
-``import celery_emq`` calls :func:`register` when Flower is already loaded, which
-is the case under ``celery -A app flower``; call it yourself if you start Flower
-some other way before importing your app.
+It also attaches to each Flower application (:class:`flower.app.Flower`, built
+before or after :func:`register` runs): the morgue page at ``/emq``
+(:mod:`celery_emq.morgue_page`), and the Prometheus collector
+(:mod:`celery_emq.metrics`) in ``prometheus_client``'s default registry, which
+Flower's own ``/metrics`` serves. Both read the store of the Flower's Celery app.
+
+``import celery_emq`` calls :func:`register` when Flower is already loaded, and
+the first emq:// connection in the process calls it otherwise, which covers
+``celery -A app flower``; call it yourself if you start Flower some other way.
 """
 
 from __future__ import annotations
 
+import functools
+import gc
+import logging
 import sys
+import threading
 from typing import Any
 from urllib.parse import urlparse
 
@@ -22,6 +32,12 @@ from .scripts import Scripts, read_tally, script_source
 from .store import LANE_PAGE
 
 __all__ = ["register"]
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+#: The collector registered in prometheus_client's default registry (one per process).
+_collector: Any = None
 
 
 def register() -> bool:
@@ -102,7 +118,59 @@ def register() -> bool:
 
     fb.Broker.__new__ = __new__
     fb.Broker._emq_registered = True
+    _hook_flower_app()
     return True
+
+
+def _hook_flower_app() -> None:
+    """Attach to every Flower application: those built from now on, and any built already.
+
+    A Flower built before celery_emq was imported (the ``celery`` command may
+    load its plugins in either order) is found among the live objects, once.
+    """
+    try:
+        from flower.app import Flower
+    except ImportError:
+        return
+    if not getattr(Flower.__init__, "_emq_attaches", False):
+        original = Flower.__init__
+
+        @functools.wraps(original)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            attach(self)
+
+        __init__._emq_attaches = True  # type: ignore[attr-defined]
+        Flower.__init__ = __init__
+    for obj in gc.get_objects():
+        if isinstance(obj, Flower):
+            attach(obj)
+
+
+def attach(flower_app: Any) -> None:
+    """Add the morgue page and the metrics collector to one Flower application."""
+    global _collector
+    with _lock:
+        if getattr(flower_app, "emq_store", None) is not None:
+            return
+        from .metrics import AppStore
+        from .morgue_page import handlers
+
+        flower_app.emq_store = AppStore(flower_app.capp)
+        prefix = "/" + (getattr(flower_app.options, "url_prefix", "") or "").strip("/")
+        routes = [(prefix.rstrip("/") + path, handler) for path, handler in handlers()]
+        # Rules added now are matched before Flower's own (and its catch-all 404).
+        flower_app.add_handlers(r".*", routes)
+        if _collector is None:
+            try:
+                from prometheus_client import REGISTRY
+
+                from .metrics import EmqCollector
+            except ImportError:  # pragma: no cover - Flower itself depends on prometheus_client
+                logger.warning("prometheus_client is missing: no emq metrics in Flower")
+                return
+            _collector = EmqCollector(flower_app.emq_store)
+            REGISTRY.register(_collector)
 
 
 def register_if_loaded() -> None:

@@ -35,7 +35,9 @@ key                             type    content
                                         seen (``from``, ``to``); PX 1 day
 ``<p>:{q}:metrics:<name>``      HASH    counters (field ``count``): ``completed``,
                                         ``recovered``, ``stalled``, ``failed``,
-                                        ``retried``
+                                        ``retried``; ``recovered``, ``stalled``
+                                        and ``failed`` also count by reason
+                                        (field ``reason:<reason>``)
 ``<p>:{q}:migrated``            ZSET    source delivery tags ``emq migrate`` moved into
                                         the queue; score = when (ms); PX 7 days
 ``<p>:queues``                  SET     registry of task queues: queues that hold

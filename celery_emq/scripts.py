@@ -523,6 +523,13 @@ class Batch:
             lambda replies: (int(replies[0][0]), bool(replies[0][1])),
         )
 
+    def tally(self, k: QueueKeys, offset: int, limit: int, heads: bool = False) -> int:
+        """Queue :meth:`Scripts.tally`; its result is (counts, one page of lanes)."""
+        return self._add(
+            [("tally", Scripts.tally_keys(k), [offset, limit, 1 if heads else 0])],
+            lambda replies: read_tally(replies[0]),
+        )
+
     def execute(self) -> None:
         """Send every queued call in one round trip.
 

@@ -1,50 +1,96 @@
-"""A queue's state at a glance, for ``celery emq status`` and monitoring."""
+"""Queues' state at a glance, for ``celery emq status``, the metrics and the morgue page."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from .store import JobStore
+from .store import METRICS, JobStore
 
-__all__ = ["queue_status"]
+__all__ = ["queue_status", "queue_statuses"]
 
 #: Most rows read to compute each age: the longest-held leases and the jobs next
 #: in line in the default lane (each lane's next job is read by the tally).
 SAMPLE = 1000
 
+#: The counters that also count by reason (field ``reason:<reason>``).
+BY_REASON: tuple[str, ...] = ("recovered", "stalled", "failed")
+
 
 def queue_status(store: JobStore, queue: str, now_ms: int | None = None) -> dict[str, Any]:
-    """Return counts, lanes, ages and counters of one queue, in a fixed number of round trips.
+    """Return counts, lanes, ages and counters of one queue (see :func:`queue_statuses`)."""
+    return queue_statuses(store, [queue], now_ms)[0]
+
+
+def queue_statuses(
+    store: JobStore, queues: Sequence[str], now_ms: int | None = None, sample: int = SAMPLE
+) -> list[dict[str, Any]]:
+    """Return counts, lanes, ages and counters of each queue, in three round trips in all.
 
     ``delayed`` counts the jobs whose ETA is still ahead: they wait in the
-    broker, not in a worker. Ages are read from at most ``SAMPLE`` rows each
-    (and the next job of every lane).
+    broker, not in a worker. Ages are read from at most ``sample`` rows each
+    (and the next job of every lane). ``counters`` are the queue's totals;
+    ``reasons`` splits ``recovered``, ``stalled`` and ``failed`` by reason, a
+    part counted before reasons were kept showing as ``unknown``.
     """
-    k = store.keys(queue)
+    if not queues:
+        return []
     client = store.client
-    counts, lanes, heads = store.tally(queue, heads=True)
+    tallies = store.tallies(queues, heads=True)
     with client.pipeline(transaction=False) as pipe:
         pipe.time()
-        pipe.zrange(k.active, 0, SAMPLE - 1)
-        pipe.zrange(k.pending, 0, SAMPLE - 1)
-        (secs, micros), active_ids, pending_ids = pipe.execute()
+        for q in queues:
+            k = store.keys(q)
+            pipe.zrange(k.active, 0, sample - 1)
+            pipe.zrange(k.pending, 0, sample - 1)
+            for name in METRICS:
+                pipe.hgetall(k.metrics(name))
+        (secs, micros), *replies = pipe.execute()
     now = int(secs) * 1000 + int(micros) // 1000 if now_ms is None else now_ms
+    per_queue = 2 + len(METRICS)
+    ids = [(replies[i * per_queue], replies[i * per_queue + 1]) for i in range(len(queues))]
     with client.pipeline(transaction=False) as pipe:
-        for job_id in active_ids:
-            pipe.hget(k.job(job_id.decode()), "claimed_ms")
-        for job_id in pending_ids:
-            pipe.hget(k.job(job_id.decode()), "enqueued_ms")
-        replies = pipe.execute()
-    claimed = [int(v) for v in replies[: len(active_ids)] if v]
-    enqueued = [int(v) for v in replies[len(active_ids) :] if v] + heads
-    return {
-        "queue": queue,
-        "pending": counts["pending"],
-        "active": counts["active"],
-        "delayed": counts["delayed"],
-        "dead": counts["dead"],
-        "lanes": lanes,
-        "oldest_lease_age_ms": now - min(claimed) if claimed else None,
-        "oldest_pending_age_ms": now - min(enqueued) if enqueued else None,
-        "counters": store.metrics(queue),
-    }
+        for q, (active_ids, pending_ids) in zip(queues, ids, strict=True):
+            k = store.keys(q)
+            for job_id in active_ids:
+                pipe.hget(k.job(job_id.decode()), "claimed_ms")
+            for job_id in pending_ids:
+                pipe.hget(k.job(job_id.decode()), "enqueued_ms")
+        rows = pipe.execute()
+    out = []
+    at = 0
+    for i, (q, (counts, lanes, heads)) in enumerate(zip(queues, tallies, strict=True)):
+        active_ids, pending_ids = ids[i]
+        claimed = [int(v) for v in rows[at : at + len(active_ids)] if v]
+        at += len(active_ids)
+        enqueued = [int(v) for v in rows[at : at + len(pending_ids)] if v] + heads
+        at += len(pending_ids)
+        hashes = [
+            {f.decode(): int(v) for f, v in h.items()}
+            for h in replies[i * per_queue + 2 : (i + 1) * per_queue]
+        ]
+        counters = {name: h.get("count", 0) for name, h in zip(METRICS, hashes, strict=True)}
+        reasons: dict[str, dict[str, int]] = {}
+        for name, h in zip(METRICS, hashes, strict=True):
+            if name not in BY_REASON:
+                continue
+            split = {f[len("reason:") :]: n for f, n in h.items() if f.startswith("reason:")}
+            rest = counters[name] - sum(split.values())
+            if rest > 0:
+                split["unknown"] = rest
+            reasons[name] = split
+        out.append(
+            {
+                "queue": q,
+                "pending": counts["pending"],
+                "active": counts["active"],
+                "delayed": counts["delayed"],
+                "dead": counts["dead"],
+                "lanes": lanes,
+                "oldest_lease_age_ms": now - min(claimed) if claimed else None,
+                "oldest_pending_age_ms": now - min(enqueued) if enqueued else None,
+                "counters": counters,
+                "reasons": reasons,
+            }
+        )
+    return out

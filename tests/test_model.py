@@ -125,6 +125,8 @@ class JobStoreModel(RuleBasedStateMachine):
         self.wake = 0
         self.lost = 0
         self.metrics = dict.fromkeys(METRICS, 0)
+        # Per counter, the part of it each reason accounts for (field ``reason:<reason>``).
+        self.reasons: dict[str, dict[str, int]] = {name: {} for name in METRICS}
         # When the last sweep ran, and the last gap between sweeps over half a lease.
         self.swept_at: int | None = None
         self.outage: tuple[int, int] | None = None
@@ -239,17 +241,22 @@ class JobStoreModel(RuleBasedStateMachine):
         job.state = "gone"
         self.metrics["completed"] += 1
 
-    def _stall(self, job: Job) -> Swept:
+    def _count(self, name: str, reason: str) -> None:
+        """Count one event on a counter, with its reason."""
+        self.metrics[name] += 1
+        self.reasons[name][reason] = self.reasons[name].get(reason, 0) + 1
+
+    def _stall(self, job: Job, reason: str) -> Swept:
         """Count one stall on an examined claim: recover or dead-letter it."""
         job.stalled += 1
         job.stalls += 1
-        self.metrics["stalled"] += 1
+        self._count("stalled", reason)
         budget = DEFAULT_BUDGET if job.budget is UNSET else job.budget
         if budget is not None and job.stalled > budget:
             self._kill(job)
-            self.metrics["failed"] += 1
+            self._count("failed", reason)
             return Swept(job.id, "dead", job.stalled, pack(job.payload))
-        self.metrics["recovered"] += 1
+        self._count("recovered", reason)
         return Swept(job.id, "recovered", job.stalled, pack(job.payload))
 
     def _lapsed(self, limit: int) -> list[Job]:
@@ -529,7 +536,7 @@ class JobStoreModel(RuleBasedStateMachine):
             self._kill(job)
             if was_pending:
                 self._drop_empty_lane(job)
-            self.metrics["failed"] += 1
+            self._count("failed", "rejected")
         outcome = self.store.bury(QUEUE, c.id, c.token, "rejected", "no", now_ms=self.now)
         assert outcome == expected
         self._untouched(before)
@@ -547,7 +554,7 @@ class JobStoreModel(RuleBasedStateMachine):
             self._done(job)
         elif self._live(c):
             job = self.jobs[c.id]
-            expected = self._stall(job)
+            expected = self._stall(job, "worker_lost")
             self._to_front([job if expected.outcome == "recovered" else None])
         swept = self.store.charge(
             QUEUE, c.id, c.token, DEFAULT_BUDGET, "worker_lost", now_ms=self.now
@@ -583,7 +590,7 @@ class JobStoreModel(RuleBasedStateMachine):
                 expected.append(Swept(job.id, "requeued", job.stalled, b""))
                 front.append(job)
             else:
-                swept = self._stall(job)
+                swept = self._stall(job, "lease_expired")
                 expected.append(swept)
                 front.append(job if swept.outcome == "recovered" else None)
         self._to_front(front)
@@ -670,7 +677,7 @@ class JobStoreModel(RuleBasedStateMachine):
                 pipe.zrange(key, 0, -1, withscores=True)
             pipe.zrange(k.lanes, 0, -1).llen(k.wake).get(k.cursor)
             for name in METRICS:
-                pipe.hget(k.metrics(name), "count")
+                pipe.hgetall(k.metrics(name))
             # No gone job has a row or a message left (one EXISTS for them all).
             if gone:
                 pipe.exists(*gone)
@@ -735,7 +742,14 @@ class JobStoreModel(RuleBasedStateMachine):
             # The queue is empty: the markers lost so far no longer count.
             self.lost = 0
 
-        assert dict(zip(METRICS, (int(n or 0) for n in counts), strict=True)) == self.metrics
+        hashes = [{f.decode(): int(v) for f, v in h.items()} for h in counts]
+        assert {n: h.get("count", 0) for n, h in zip(METRICS, hashes, strict=True)} == self.metrics
+        # Each counter's reason fields add up to it (retried and completed have none).
+        got = {
+            n: {f.removeprefix("reason:"): v for f, v in h.items() if f != "count"}
+            for n, h in zip(METRICS, hashes, strict=True)
+        }
+        assert got == self.reasons
 
 
 TestJobStoreModel = JobStoreModel.TestCase

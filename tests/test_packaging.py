@@ -136,6 +136,29 @@ def test_transport_and_cli_import(venv: Venv, tmp_path: Path) -> None:
     assert done.returncode == 0, output(done)
 
 
+def test_page_templates_ship_and_the_exporter_names_its_extra(venv: Venv, app_dir: Path) -> None:
+    shipped = run(
+        [
+            venv.bin("python"),
+            "-c",
+            "import importlib.resources as r, sys; "
+            "t = r.files('celery_emq') / 'templates' / 'emq'; "
+            "print(sorted(p.name for p in t.iterdir())); "
+            "print('prometheus_client' in sys.modules)",
+        ],
+        60,
+        cwd=app_dir,
+    )
+    assert shipped.returncode == 0, output(shipped)
+    assert shipped.stdout.split("\n")[:2] == ["['base.html', 'job.html', 'morgue.html']", "False"]
+    # Without the metrics extra, the exporter says what to install.
+    done = run(
+        [venv.bin("celery"), "-A", "proj", "emq", "exporter", "--port", "0"], 60, cwd=app_dir
+    )
+    assert done.returncode != 0
+    assert "pip install 'celery-emq[metrics]'" in done.stderr, output(done)
+
+
 def test_emq_status_json(venv: Venv, app_dir: Path) -> None:
     done = run([venv.bin("celery"), "-A", "proj", "emq", "status", "--json"], 60, cwd=app_dir)
     assert done.returncode == 0, output(done)

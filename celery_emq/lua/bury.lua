@@ -6,7 +6,7 @@
   KEYS[3] wake      <p>:{q}:wake (LIST)
   KEYS[4] dead      <p>:{q}:dead (ZSET, score = time of death ms)
   KEYS[5] job       <p>:{q}:job:<id> (HASH)
-  KEYS[6] failed    <p>:{q}:metrics:failed (HASH, field count)
+  KEYS[6] failed    <p>:{q}:metrics:failed (HASH, fields count and reason:<reason>)
   KEYS[7] base      <p>:{q}: (lane keys and lanes derive from it)
   ARGV[1] id
   ARGV[2] token     the claim's delivery count
@@ -57,4 +57,5 @@ redis.call('HSET', job, 'state', 'dead', 'owner', '', 'last_error', reason,
   'reason', reason, 'error', err, 'died_ms', now_ms)
 redis.call('ZADD', dead, now_ms, id)
 redis.call('HINCRBY', failed, 'count', 1)
+redis.call('HINCRBY', failed, 'reason:' .. reason, 1)
 return 0

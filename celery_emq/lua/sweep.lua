@@ -26,6 +26,8 @@
   holds the deadline granted): outcome graced.
   A lapsed claim whose task never started (`started` is not its token) is
   requeued uncounted (outcome requeued). A charged claim has started.
+  Counters: metrics:stalled, :recovered and :failed count each event in field `count`
+  and by its reason in field `reason:<reason>`.
   Budget: stalled <= max_stalled recovers (to the front of its queue or lane),
   stalled > max_stalled dead-letters. A batch keeps its order at the front.
 ]]
@@ -140,12 +142,14 @@ for i, id in ipairs(ids) do
         table.remove(history, 1)
       end
       redis.call('HINCRBY', base .. 'metrics:stalled', 'count', 1)
+      redis.call('HINCRBY', base .. 'metrics:stalled', 'reason:' .. reason, 1)
       if budget >= 0 and stalled > budget then
         redis.call('HSET', job, 'state', 'dead', 'owner', '', 'last_error', 'stalled',
           'reason', reason, 'died_ms', now_ms, 'history', cjson.encode(history),
           'error', reason .. ': stalled ' .. stalled .. ' times, max_stalled=' .. budget)
         redis.call('ZADD', dead, now_ms, id)
         redis.call('HINCRBY', base .. 'metrics:failed', 'count', 1)
+        redis.call('HINCRBY', base .. 'metrics:failed', 'reason:' .. reason, 1)
         outcome = 'dead'
       else
         if lane ~= pending then
@@ -156,6 +160,7 @@ for i, id in ipairs(ids) do
           'history', cjson.encode(history))
         redis.call('LPUSH', wake, 1)
         redis.call('HINCRBY', base .. 'metrics:recovered', 'count', 1)
+        redis.call('HINCRBY', base .. 'metrics:recovered', 'reason:' .. reason, 1)
         outcome = 'recovered'
       end
     end

@@ -1,0 +1,202 @@
+"""The morgue page inside Flower: queue depths, dead jobs, a job's detail, retry and purge.
+
+Served by Flower itself at ``/emq`` once celery_emq attaches to it
+(:func:`celery_emq.flower.attach`); nothing else runs. The handlers are Flower's
+own (:class:`flower.views.BaseHandler`), so Flower's authentication applies:
+every page and button needs the user Flower lets in. The buttons are forms
+that POST with Tornado's XSRF token, checked whatever Flower's authentication
+(Flower itself checks the token only under OAuth). Pages are rendered on the
+server from templates shipped in ``celery_emq/templates/emq``, without scripts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlencode
+
+import tornado.web
+from flower.views import BaseHandler
+from tornado.ioloop import IOLoop
+
+from .errors import EmqError
+from .jobs import accepted_content
+from .morgue import REASONS, Morgue
+from .status import queue_statuses
+
+__all__ = ["LIST_LIMIT", "handlers"]
+
+#: Most dead jobs the list shows (the newest deaths first).
+LIST_LIMIT = 500
+
+TEMPLATES = str(Path(__file__).parent / "templates" / "emq")
+
+T = TypeVar("T")
+
+
+def _when(ms: int | None) -> str:
+    if not ms:
+        return "-"
+    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _age(ms: int | None) -> str:
+    if ms is None:
+        return "-"
+    s = ms / 1000
+    if s < 120:
+        return f"{s:.1f} s"
+    if s < 7200:
+        return f"{s / 60:.1f} min"
+    return f"{s / 3600:.1f} h"
+
+
+class EmqHandler(BaseHandler):  # type: ignore[misc]
+    """What the morgue pages share: templates, the store, blocking calls off the loop."""
+
+    #: Set while one of our pages renders; Flower's error pages come from its own templates.
+    _ours = False
+
+    def get_template_path(self) -> str | None:
+        return TEMPLATES if self._ours else super().get_template_path()
+
+    @property
+    def root(self) -> str:
+        """The page's own path (``/emq``, under Flower's ``url_prefix`` if any)."""
+        prefix = (self.application.options.url_prefix or "").strip("/")
+        return f"/{prefix}/emq" if prefix else "/emq"
+
+    async def blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a store call on Flower's executor, not on its event loop."""
+        return await IOLoop.current().run_in_executor(None, fn, *args)
+
+    def morgue(self) -> Morgue:
+        return Morgue(self.application.emq_store.get(), accepted_content(self.capp))
+
+    def arg(self, name: str) -> str | None:
+        """A query or form argument as typed (templates escape what they show)."""
+        value = self.get_argument(name, None, escape=False)
+        return value.strip() or None if value is not None else None
+
+    def page(self, template: str, **kwargs: Any) -> None:
+        self._ours = True
+        try:
+            self.render(template, root=self.root, when=_when, age=_age, **kwargs)
+        finally:
+            self._ours = False
+
+
+class MorguePage(EmqHandler):
+    """``GET /emq``: every queue's depths, and the dead jobs matching the filters."""
+
+    @tornado.web.authenticated
+    async def get(self) -> None:
+        filters = {k: self.arg(k) for k in ("queue", "task", "reason", "since")}
+        error = None
+        try:
+            queues, jobs = await self.blocking(self._read, filters)
+        except (EmqError, ValueError) as exc:
+            queues, jobs, error = [], [], str(exc)
+        reasons = [*REASONS, *sorted({j.reason for j in jobs} - set(REASONS))]
+        self.page(
+            "morgue.html",
+            queues=queues,
+            jobs=jobs,
+            filters=filters,
+            reasons=reasons,
+            limit=LIST_LIMIT,
+            notice=self.arg("notice"),
+            error=error,
+        )
+
+    def _read(self, filters: dict[str, str | None]) -> tuple[list[dict[str, Any]], list[Any]]:
+        morgue = self.morgue()
+        store = morgue.store
+        names = store.queues()
+        since_ms = None
+        if filters["since"]:
+            since_ms = _since_ms(filters["since"], store.server_ms)
+        jobs = morgue.ls(
+            queue=filters["queue"],
+            task=filters["task"],
+            reason=filters["reason"],
+            since_ms=since_ms,
+        )
+        jobs.reverse()  # the latest deaths first
+        return queue_statuses(store, names), jobs[:LIST_LIMIT]
+
+
+class JobPage(EmqHandler):
+    """``GET /emq/job/<queue>/<id>``: one dead job: task, arguments, error, stall history."""
+
+    @tornado.web.authenticated
+    async def get(self, queue: str, job_id: str) -> None:
+        job = await self.blocking(lambda: self.morgue().show(job_id, queue))
+        if job is None:
+            raise tornado.web.HTTPError(404, f"no dead job {job_id!r} in queue {queue!r}")
+        self.page("job.html", job=job)
+
+
+class Action(EmqHandler):
+    """``POST /emq/retry`` and ``POST /emq/purge``: the buttons (form fields ``id``, ``queue``)."""
+
+    verb = ""
+
+    def check_xsrf_cookie(self) -> None:
+        # Flower's check stops at its cross-site rules unless OAuth is on; ours
+        # always wants the token as well.
+        super().check_xsrf_cookie()
+        tornado.web.RequestHandler.check_xsrf_cookie(self)
+
+    @tornado.web.authenticated
+    async def post(self) -> None:
+        if not self.settings.get("xsrf_cookies"):
+            self.check_xsrf_cookie()
+        ids = [i.strip() for i in self.get_arguments("id") if i.strip()]
+        if not ids:
+            raise tornado.web.HTTPError(400, "no job selected")
+        queue = self.arg("queue")
+        done = await self.blocking(self._act, ids, queue)
+        self.redirect(self.root + "?" + urlencode({"notice": done}))
+
+    def _act(self, ids: list[str], queue: str | None) -> str:
+        morgue = self.morgue()
+        if self.verb == "retry":
+            retried = morgue.retry(ids, rate_per_s=None, queue=queue)
+            return f"retried {len(retried)} job(s): {', '.join(retried)}"
+        return f"purged {morgue.purge(ids, queue=queue)} job(s)"
+
+
+class Retry(Action):
+    verb = "retry"
+
+
+class Purge(Action):
+    verb = "purge"
+
+
+def _since_ms(text: str, server_ms: Callable[[], int]) -> int:
+    """Read ``since``: a duration ago (``90s``, ``30m``, ``2h``, ``7d``) or an ISO-8601 time."""
+    import click
+
+    from .cli import _parse_time
+
+    try:
+        parsed = _parse_time(text, "since")
+    except click.BadParameter as exc:
+        raise ValueError(f"since: {exc.message}") from None
+    assert parsed is not None
+    ms, ago = parsed
+    return server_ms() - ms if ago else ms
+
+
+def handlers() -> list[tuple[str, type[EmqHandler]]]:
+    """The page's routes, relative to Flower's root."""
+    return [
+        (r"/emq/?", MorguePage),
+        (r"/emq/job/([^/]+)/([^/]+)", JobPage),
+        (r"/emq/retry", Retry),
+        (r"/emq/purge", Purge),
+    ]

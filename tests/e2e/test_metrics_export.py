@@ -1,0 +1,134 @@
+"""End to end: ``celery emq exporter`` and a real Flower's ``/metrics`` report a known queue."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from celery_emq.store import JobStore
+
+from .harness import ROOT, wait_for
+from .test_flower import free_port
+
+pytest.importorskip("prometheus_client")
+from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.slow
+
+NOW = 5_000_000
+
+
+def known_contents(store: JobStore) -> None:
+    """Queue ``celery``: 3 pending (one in lane ``tenant-a``), 2 active, 1 dead, 1 delayed."""
+    q = "celery"
+    store.register(q)
+    store.enqueue(q, "a0", "{}")
+    store.enqueue(q, "a1", "{}")
+    assert len(store.claim(q, "w", count=2)) == 2
+    store.enqueue(q, "d0", "{}")
+    [dead] = store.claim(q, "w")
+    assert store.bury(q, "d0", dead.deliveries, "malformed", "bad").name == "OK"
+    store.enqueue(q, "p0", "{}")
+    store.enqueue(q, "p1", "{}")
+    store.enqueue(q, "p2", "{}", group="tenant-a")
+    store.enqueue(q, "e0", "{}", eta_ms=store.server_ms() + 3_600_000)
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("emq_")
+    }
+
+
+def jobs(metrics: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> dict[str, float]:
+    return {
+        dict(labels)["state"]: v
+        for (name, labels), v in metrics.items()
+        if name == "emq_queue_jobs" and dict(labels)["queue"] == "celery"
+    }
+
+
+def start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as fh:
+        return subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "tests.e2e.app", *args],
+            cwd=ROOT,
+            env={**os.environ, **env},
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def stop(proc: subprocess.Popen[bytes]) -> int | None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+        return None
+
+
+EXPECTED = {"pending": 3, "active": 2, "delayed": 1, "dead": 1}
+
+
+def test_the_exporter_serves_the_queue_counts_until_sigterm(
+    store: JobStore, e2e_env: dict[str, str], tmp_path: Path
+) -> None:
+    known_contents(store)
+    port = free_port()
+    log = tmp_path / "exporter.log"
+    exporter = start(["emq", "exporter", "--port", str(port)], e2e_env, log)
+    try:
+        metrics = wait_for(lambda: scrape(port), 30, interval=0.3)
+        assert jobs(metrics) == EXPECTED
+        lane = ("emq_lane_pending_jobs", (("group", "tenant-a"), ("queue", "celery")))
+        assert metrics[lane] == 1
+        dead = ("emq_jobs_dead_lettered_total", (("queue", "celery"), ("reason", "malformed")))
+        assert metrics[dead] == 1
+        assert metrics[("emq_up", ())] == 1
+        # Each scrape reads the store afresh.
+        store.enqueue("celery", "p3", "{}")
+        assert jobs(scrape(port) or {})["pending"] == 4
+    finally:
+        code = stop(exporter)
+    assert code == 0, log.read_text()
+    assert f"http://127.0.0.1:{port}/metrics" in log.read_text()
+
+
+def test_flowers_own_metrics_show_the_queue_counts(
+    store: JobStore, e2e_env: dict[str, str], tmp_path: Path
+) -> None:
+    known_contents(store)
+    port = free_port()
+    flower = start(
+        [
+            "flower",
+            f"--port={port}",
+            "--address=127.0.0.1",
+            f"--db={tmp_path / 'flower.db'}",
+        ],
+        e2e_env,
+        tmp_path / "flower.log",
+    )
+    try:
+        metrics = wait_for(lambda: (m := scrape(port)) and jobs(m) and m, 30, interval=0.3)
+        assert jobs(metrics) == EXPECTED
+        store.enqueue("celery", "p3", "{}")
+        assert jobs(scrape(port) or {})["pending"] == 4
+    finally:
+        stop(flower)

@@ -1,0 +1,176 @@
+"""The Prometheus collector: what one scrape reads from a store, and what it costs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.connection import AbstractConnection
+from redis.retry import Retry
+
+from celery_emq.store import JobStore
+
+prometheus_client = pytest.importorskip("prometheus_client")
+from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from celery_emq.metrics import EmqCollector  # noqa: E402
+
+NOW = 10_000_000
+
+
+def scrape(collector: EmqCollector) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Scrape through a registry and parse the text format back: {(name, labels): value}."""
+    registry = CollectorRegistry()
+    registry.register(collector)
+    text = generate_latest(registry).decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def fill(store: JobStore, queue: str) -> None:
+    """3 pending (one in lane g1), 2 active, 1 dead (malformed), 1 delayed."""
+    for i in range(2):
+        store.enqueue(queue, f"a{i}", "{}", now_ms=NOW - 60_000)
+    assert len(store.claim(queue, "w1", count=2, now_ms=NOW - 50_000)) == 2
+    store.enqueue(queue, "d0", "{}", now_ms=NOW)
+    [dead] = store.claim(queue, "w1", now_ms=NOW)
+    assert store.bury(queue, "d0", dead.deliveries, "malformed", "bad", now_ms=NOW).name == "OK"
+    store.enqueue(queue, "p0", "{}", now_ms=NOW - 30_000)
+    store.enqueue(queue, "p1", "{}", now_ms=NOW - 20_000)
+    store.enqueue(queue, "p2", "{}", now_ms=NOW - 40_000, group="g1")
+    store.enqueue(queue, "e0", "{}", now_ms=NOW, eta_ms=NOW + 3_600_000)
+
+
+def test_one_scrape_reads_counts_lanes_ages_and_counters(store: JobStore) -> None:
+    fill(store, "q1")
+    # A started job that stalls once (lease_expired) is recovered; one charged twice dies.
+    store.enqueue("q2", "s0", "{}", now_ms=NOW)
+    [c] = store.claim("q2", "w2", now_ms=NOW)
+    store.start("q2", "s0", c.deliveries)
+    store.client.hset(store.keys("q2").base + "swept", "at", NOW + 2 * store.lease_ms)
+    assert [s.outcome for s in store.sweep("q2", 1, now_ms=NOW + 2 * store.lease_ms)] == [
+        "recovered"
+    ]
+    [c] = store.claim("q2", "w2", now_ms=NOW + 2 * store.lease_ms)
+    store.start("q2", "s0", c.deliveries)
+    swept = store.charge("q2", "s0", c.deliveries, 1, "worker_lost")
+    assert swept is not None and swept.outcome == "dead"
+    store.retry("q2", ["s0"])
+    [c] = store.claim("q2", "w2")
+    store.ack("q2", "s0", c.deliveries)
+    for q in ("q1", "q2"):
+        store.register(q)
+
+    got = scrape(EmqCollector(store, now_ms=NOW))
+
+    def q1(name: str, **labels: str) -> float:
+        return got[(name, tuple(sorted({"queue": "q1", **labels}.items())))]
+
+    assert [q1("emq_queue_jobs", state=s) for s in ("pending", "active", "delayed", "dead")] == [
+        3,
+        2,
+        1,
+        1,
+    ]
+    assert q1("emq_lane_pending_jobs", group="g1") == 1
+    assert q1("emq_oldest_pending_age_seconds") == 40.0
+    assert q1("emq_oldest_lease_age_seconds") == 50.0
+    assert q1("emq_jobs_dead_lettered_total", reason="malformed") == 1
+    assert q1("emq_jobs_completed_total") == 0
+    # The stall reasons show from 0, so that their first increase is seen.
+    assert q1("emq_jobs_stalled_total", reason="worker_lost") == 0
+    assert q1("emq_jobs_dead_lettered_total", reason="lease_expired") == 0
+
+    def q2(name: str, **labels: str) -> float:
+        return got[(name, tuple(sorted({"queue": "q2", **labels}.items())))]
+
+    assert q2("emq_jobs_stalled_total", reason="lease_expired") == 1
+    assert q2("emq_jobs_stalled_total", reason="worker_lost") == 1
+    assert q2("emq_jobs_recovered_total", reason="lease_expired") == 1
+    assert q2("emq_jobs_dead_lettered_total", reason="worker_lost") == 1
+    assert q2("emq_jobs_retried_total") == 1
+    assert q2("emq_jobs_completed_total") == 1
+    assert q2("emq_oldest_pending_age_seconds") == 0
+    assert [q2("emq_queue_jobs", state=s) for s in ("pending", "active", "delayed", "dead")] == [
+        0,
+        0,
+        0,
+        0,
+    ]
+    assert got[("emq_up", ())] == 1
+
+
+def test_counts_from_before_reasons_were_kept_show_as_unknown(store: JobStore) -> None:
+    store.register("old")
+    store.client.hset(store.keys("old").metrics("stalled"), mapping={"count": 5})
+    store.client.hset(store.keys("old").metrics("stalled"), mapping={"reason:worker_lost": 2})
+    got = scrape(EmqCollector(store))
+    stalled = {
+        dict(labels)["reason"]: v
+        for (name, labels), v in got.items()
+        if name == "emq_jobs_stalled_total"
+    }
+    assert stalled == {"worker_lost": 2, "unknown": 3, "lease_expired": 0}
+
+
+class RoundTrips:
+    """Count what redis-py writes to a socket: one per command or per pipeline."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.n = 0
+        original = AbstractConnection.send_packed_command
+
+        def counted(conn: Any, command: Any, check_health: bool = True) -> Any:
+            self.n += 1
+            return original(conn, command, check_health)
+
+        monkeypatch.setattr(AbstractConnection, "send_packed_command", counted)
+
+
+@pytest.fixture
+def roundtrips(monkeypatch: pytest.MonkeyPatch) -> Iterator[RoundTrips]:
+    yield RoundTrips(monkeypatch)
+
+
+def test_a_scrape_of_100_queues_costs_the_round_trips_of_one(
+    store: JobStore, client: redis.Redis, roundtrips: RoundTrips
+) -> None:
+    for i in range(100):
+        q = f"q{i:03}"
+        store.enqueue(q, "j", "{}")
+        store.enqueue(q, "k", "{}", group=f"g{i % 3}")
+        store.register(q)
+    collector = EmqCollector(store)
+    scrape(collector)  # loads the scripts and opens the connection
+    roundtrips.n = 0
+    got = scrape(collector)
+    hundred = roundtrips.n
+    assert sum(v for (n, _), v in got.items() if n == "emq_queue_jobs") == 200
+
+    one = JobStore(client, store.prefix + "-one", store.lease_ms)
+    one.enqueue("q", "j", "{}")
+    one.register("q")
+    try:
+        scrape(EmqCollector(one))
+        roundtrips.n = 0
+        scrape(EmqCollector(one))
+        print(f"round trips per scrape: 100 queues {hundred}, 1 queue {roundtrips.n}")
+        assert hundred == roundtrips.n <= 4
+    finally:
+        for key in client.scan_iter(match=store.prefix + "-one*"):
+            client.delete(key)
+
+
+def test_a_broker_that_cannot_be_read_says_emq_up_0(client: redis.Redis, prefix: str) -> None:
+    dead = redis.Redis(
+        host="127.0.0.1", port=1, socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0)
+    )
+    got = scrape(EmqCollector(JobStore(dead, prefix + "emq", 5000)))
+    assert got == {("emq_up", ()): 0}
