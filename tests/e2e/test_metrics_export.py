@@ -94,7 +94,8 @@ def test_the_exporter_serves_the_queue_counts_until_sigterm(
     log = tmp_path / "exporter.log"
     exporter = start(["emq", "exporter", "--port", str(port)], e2e_env, log)
     try:
-        metrics = wait_for(lambda: scrape(port), 30, interval=0.3)
+        # The first answers may come before the exporter read the store.
+        metrics = wait_for(lambda: (m := scrape(port)) and jobs(m) and m, 30, interval=0.3)
         assert jobs(metrics) == EXPECTED
         lane = ("emq_lane_pending_jobs", (("group", "tenant-a"), ("queue", "celery")))
         assert metrics[lane] == 1
