@@ -34,7 +34,7 @@ from .jobs import accepted_content
 from .morgue import REASONS, DeadJob, Morgue
 from .options import EmqOptions
 from .server import check_server
-from .status import queue_status
+from .status import queue_statuses
 from .store import JobStore
 from .sweeper import Sweeper
 
@@ -171,7 +171,7 @@ def emq(ctx: click.Context) -> None:
 def status(ctx: click.Context, as_json: bool) -> None:
     """Per queue: pending, active, delayed, dead, lanes, ages and counters."""
     with _opened(ctx) as (store, _options, _app):
-        rows = [queue_status(store, q) for q in store.queues()]
+        rows = queue_statuses(store, store.queues())
         try:
             server: dict[str, Any] | None = check_server(store.client).as_dict()
         except Exception:  # INFO refused: the queues still tell
