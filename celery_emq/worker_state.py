@@ -157,6 +157,8 @@ def install_worker_probes() -> None:
         lambda self, body, message, exc: _mark(message, "invalid_task", _error(exc)),
     )
     _wrap(Consumer, "start", lambda self: _note_nodename(self.hostname))
+    # A worker run inside another process (a test's) leaves no node behind.
+    _wrap(Consumer, "shutdown", lambda self: _forget_nodename(self.hostname))
     _install_worker_lost_probe()
     _install_revoke_probe()
     _install_start_recorder()
@@ -172,6 +174,12 @@ def _note_nodename(hostname: Any) -> None:
     global _nodename
     if isinstance(hostname, str) and hostname:
         _nodename = hostname
+
+
+def _forget_nodename(hostname: Any) -> None:
+    global _nodename
+    if _nodename == hostname:
+        _nodename = None
 
 
 def worker_nodename() -> str | None:

@@ -38,3 +38,15 @@ def test_classic_celery_worker_runs_a_task_on_emq(celery_app: Any, celery_worker
 
     celery_worker.reload()
     assert mul.delay(6, 7).get(timeout=10) == 42
+
+
+def test_an_in_process_worker_leaves_no_node_behind(celery_app: Any, redis_url: str) -> None:
+    # A dead-letter's failure event names the worker that swept it; a worker
+    # that ran inside this process and stopped must not be named afterwards.
+    from celery.contrib.testing.worker import start_worker
+
+    from celery_emq import worker_state
+
+    with start_worker(celery_app, pool="threads", perform_ping_check=False) as w:
+        assert worker_state.worker_nodename() == w.hostname
+    assert worker_state.worker_nodename() is None

@@ -10,7 +10,7 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_emq import EmqOptions, StalledJobError, lease
+from celery_emq import EmqOptions, StalledJobError, lease, worker_state
 from celery_emq.jobs import JobInfo
 from celery_emq.lease import delivery_tag
 from celery_emq.scripts import Outcome
@@ -49,6 +49,13 @@ def lapse_one(app: Celery, store: JobStore, now_ms: int, started: bool = True) -
     return result, job.id
 
 
+@pytest.fixture
+def no_worker_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process runs no worker (a test may have run one in-process before)."""
+    monkeypatch.setattr(worker_state, "_nodename", None)
+
+
+@pytest.mark.usefixtures("no_worker_here")
 def test_dead_letter_fires_signals_stores_failure_and_sends_event(
     app: Celery, client: redis.Redis, prefix: str, captured: dict[str, list[JobInfo]]
 ) -> None:
@@ -99,6 +106,7 @@ def test_dead_letter_fires_signals_stores_failure_and_sends_event(
     assert [e["hostname"] for e in events] == ["w2@host"]
 
 
+@pytest.mark.usefixtures("no_worker_here")
 def test_failure_node_is_the_sweeping_worker_or_the_last_holder_or_none(
     app: Celery, client: redis.Redis, prefix: str
 ) -> None:
