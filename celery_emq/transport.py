@@ -708,6 +708,10 @@ def _channel_class(target: BrokerTarget) -> type[Channel]:
     """The channel class serving a broker URL's deployment."""
     if target.kind == "single":
         return Channel
+    if target.kind == "sentinel":
+        from .sentinel import SentinelChannel
+
+        return SentinelChannel
     raise InvalidBrokerURLError(
         f"Redis {target.kind} (emq+{target.kind}://) is not available in this build; "
         f"the forms served are {FORMS}"
