@@ -163,21 +163,24 @@ def test_every_connection_follows_the_master_through_a_failover(
         # switch a sentinel may not vouch for the new master yet: retry as a
         # worker's connection does, a bounded number of times.
         got: list[Any] = []
+        errors: list[str] = []
         for _ in range(20):
             try:
                 conn.ensure_connection(max_retries=5)
                 Producer(conn).publish({"n": 2}, exchange=q.exchange, routing_key="q", declare=[q])
                 break
-            except conn.recoverable_connection_errors:
+            except conn.recoverable_connection_errors as exc:
+                errors.append(repr(exc))
                 time.sleep(0.25)
         for _ in range(20):
             try:
                 got = drain(conn, q, 1)
                 break
-            except conn.recoverable_connection_errors:
+            except conn.recoverable_connection_errors as exc:
+                errors.append(repr(exc))
                 conn.ensure_connection(max_retries=5)
                 time.sleep(0.25)
-        assert got == [{"n": 2}]
+        assert got == [{"n": 2}], errors
         store = conn.default_channel.store
         assert store.client.connection_pool.get_master_address() == new
         assert store.size("q") == 0
