@@ -16,6 +16,7 @@ from .errors import (
     EmqError,
     InvalidOptionError,
     InvalidQueueNameError,
+    ReplicasUnconfirmedError,
     ScriptContractError,
     StalledJobError,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "InvalidOptionError",
     "InvalidQueueNameError",
     "Morgue",
+    "ReplicasUnconfirmedError",
     "ScriptContractError",
     "StalledJobError",
     "schedule_sweep",

@@ -208,6 +208,8 @@ class Channel(ChannelCompat, kombu_redis.Channel):
                 self._new_store_client(),
                 self.emq.key_prefix,
                 self.emq.lease_ms,
+                self.emq.wait_replicas,
+                self.emq.wait_timeout_ms,
             )
         return self._store
 
