@@ -76,7 +76,7 @@ def register() -> bool:
                     )
                 return out
             finally:
-                await self.redis.aclose()
+                await _close(self.redis)
 
     class EmqBroker(EmqQueues, fb.Redis):  # type: ignore[misc]
         """Flower's client for ``emq://``."""
@@ -187,6 +187,12 @@ def _sentinel_target(broker_url: str) -> BrokerTarget:
     if full.kind == "sentinel" and set(target.nodes) <= set(full.nodes):
         return full
     return target
+
+
+async def _close(client: Any) -> None:
+    """Close an asyncio client: ``aclose()``, or ``close()`` on redis-py 5.0.0."""
+    aclose = getattr(client, "aclose", None)
+    await (aclose() if aclose is not None else client.close())
 
 
 def register_if_loaded() -> None:
