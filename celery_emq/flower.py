@@ -110,7 +110,7 @@ def register() -> bool:
                 return await super().queues(names)
             finally:
                 for client in self._sentinel.sentinels:
-                    await client.aclose()
+                    await _close(client)
 
     original = fb.Broker.__new__
 
