@@ -98,9 +98,10 @@ class ReplicasUnconfirmedError(EmqError, OperationalError):
     """Fewer replicas than ``wait_replicas`` confirmed a publish within ``wait_timeout_ms``.
 
     The job is stored on the master (the write itself succeeded) but may or may
-    not survive a failover. Publishing the same message again is safe: a
-    publish carrying the job id (``emq_job_id``, as kombu's retry of the same
-    message does) is recognised as the same job, never stored twice.
+    not survive a failover. Publishing it again carrying its job id
+    (``emq_job_id``, as kombu's retry of the same message does) is recognised
+    as the same job while that job waits or runs; once it ran and was acked,
+    such a publish is a new run.
     """
 
     def __init__(self, queue: str, job_id: str, confirmed: int, wanted: int, timeout_ms: int):
@@ -112,8 +113,8 @@ class ReplicasUnconfirmedError(EmqError, OperationalError):
         super().__init__(
             f"publish of job {job_id} to queue {queue!r} was confirmed by {confirmed} of "
             f"{wanted} replica(s) within {timeout_ms} ms (wait_replicas): the job is on the "
-            f"master but may or may not survive a failover; publish it again with "
-            f"emq_job_id={job_id!r} to be sure, which cannot store it twice"
+            f"master but may or may not survive a failover; publishing it again with "
+            f"emq_job_id={job_id!r} does not store it twice while it waits or runs"
         )
 
     def __reduce__(self) -> tuple[type[ReplicasUnconfirmedError], tuple[str, str, int, int, int]]:

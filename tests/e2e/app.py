@@ -105,6 +105,12 @@ def record(i: int) -> None:
     rec().hincrby(PREFIX + "runs", str(i), 1)
 
 
+@app.task(ignore_result=True)
+def ledger(i: int) -> None:
+    """Append ``<i> <time run>`` to ``<prefix>ledger`` (the failover test counts runs)."""
+    rec().rpush(PREFIX + "ledger", f"{i} {time.time()!r}")
+
+
 @app.task
 def sleepy(seconds: float, tag: str) -> str:
     note_run(tag)
