@@ -176,7 +176,9 @@ class Channel(ChannelCompat, kombu_redis.Channel):
         topts = connection.client.transport_options
         # Validate before connecting, so a bad option fails fast and by name.
         self.emq = EmqOptions.from_transport_options(topts)
-        if connection.client.transport_cls == "emqs" and not connection.client.ssl:
+        # The target, not the scheme: after a switch to the next alternate of
+        # an emqs+sentinel:// URL, kombu names the transport "emqs+sentinel".
+        if connection.target.tls and not connection.client.ssl:
             self.connection_class = self.connection_class_ssl
         self._no_ack: dict[str, bool] = {}
         self._accept: dict[str, Any] = {}
