@@ -21,8 +21,9 @@ from __future__ import annotations
 from typing import Any
 
 import redis
-from redis.sentinel import Sentinel, SentinelManagedConnection, SentinelManagedSSLConnection
+from redis.sentinel import Sentinel
 
+from ._compat import sentinel_connection_classes
 from .errors import InvalidOptionError
 from .topology import BrokerTarget
 from .transport import Channel
@@ -38,8 +39,9 @@ class SentinelChannel(Channel):
 
     from_transport_options = Channel.from_transport_options + SENTINEL_OPTIONS
 
-    connection_class: Any = SentinelManagedConnection
-    connection_class_ssl: Any = SentinelManagedSSLConnection
+    connection_class: Any
+    connection_class_ssl: Any
+    connection_class, connection_class_ssl = sentinel_connection_classes()
 
     master_name: Any = None
     min_other_sentinels: Any = 0

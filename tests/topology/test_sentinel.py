@@ -90,6 +90,27 @@ def test_publish_and_consume_through_the_master_sentinel_names(
     assert port == sentinel_topology.master.port
 
 
+def test_fanout_goes_through_pub_sub_on_the_master(conn: Connection) -> None:
+    # Remote control and events travel this way (PUBLISH / SUBSCRIBE).
+    exchange = Exchange("bcast", "fanout")
+    q = Queue("", exchange, exclusive=True, auto_delete=True)
+    got: list[Any] = []
+
+    def on_message(body: Any, message: Any) -> None:
+        got.append(body)
+        message.ack()
+
+    with Consumer(conn, [q], callbacks=[on_message], accept=["json"]):
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            Producer(conn).publish({"hello": 1}, exchange=exchange, serializer="json")
+            try:
+                conn.drain_events(timeout=0.5)
+            except TimeoutError:
+                pass
+    assert got[:1] == [{"hello": 1}]
+
+
 def test_sentinel_options_keep_their_meaning(
     sentinel_topology: SentinelTopology, prefix: str
 ) -> None:
