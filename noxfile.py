@@ -149,3 +149,51 @@ def servers(session: nox.Session, server: str, requirement: str, module: str) ->
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+#: The end-to-end tests run through Sentinel: exactly once, recovery after SIGKILL,
+#: poison to the morgue, the CLI, fair lanes; and the transport's own Sentinel tests.
+SENTINEL_TESTS = [
+    "tests/topology/test_sentinel.py",
+    "tests/e2e/test_worker.py",
+    "tests/e2e/test_recovery.py",
+    "tests/e2e/test_cli.py",
+    "tests/e2e/test_edges.py",
+]
+
+
+@nox.session(reuse_venv=True)
+def sentinel(session: nox.Session) -> None:
+    """Run the end-to-end suite with every app and worker on ``emq+sentinel://``.
+
+    Starts a master, a replica and three sentinels (tests/topology/sentinel_servers.py)
+    from the ``redis-server`` on PATH (or ``EMQ_REDIS_SERVER``) on free loopback
+    ports. The broker URL lists the sentinels; the direct URL (results, key
+    inspection) is the master's.
+    """
+    import json
+    import sys
+
+    started = time.monotonic()
+    session.install("-e", ".[test]")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from tests.topology.sentinel_servers import SentinelTopology
+
+    with SentinelTopology() as topo:
+        session.log(f"sentinel broker {topo.broker_url(9)}; master {topo.master_url(9)}")
+        session.run(
+            "python",
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            *SENTINEL_TESTS,
+            *session.posargs,
+            env={
+                "EMQ_TEST_REDIS_URL": topo.master_url(9),
+                "EMQ_TEST_BROKER_URL": topo.broker_url(9),
+                "EMQ_TEST_BROKER_OPTIONS": json.dumps({"master_name": topo.master_name}),
+            },
+        )
+    session.log(f"sentinel: {time.monotonic() - started:.0f} s")

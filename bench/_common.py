@@ -125,11 +125,11 @@ def redis_server_binary() -> str:
 
 
 @contextmanager
-def private_redis(timeout_s: float = 20) -> Iterator[str]:
+def private_redis(timeout_s: float = 20, extra: tuple[str, ...] = ()) -> Iterator[str]:
     """Run a ``redis-server`` of our own (no persistence) for the block; yield its URL.
 
     It listens on a free loopback port, in a temporary directory, and is
-    stopped by PID afterwards.
+    stopped by PID afterwards; ``extra`` are more ``--name value`` arguments.
     """
     workdir = tempfile.mkdtemp(prefix="emq-bench-redis-")
     port = free_port()
@@ -148,6 +148,7 @@ def private_redis(timeout_s: float = 20) -> Iterator[str]:
             workdir,
             "--logfile",
             os.path.join(workdir, "redis.log"),
+            *extra,
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -16,6 +16,7 @@ from .errors import (
     EmqError,
     InvalidOptionError,
     InvalidQueueNameError,
+    ReplicasUnconfirmedError,
     ScriptContractError,
     StalledJobError,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "InvalidOptionError",
     "InvalidQueueNameError",
     "Morgue",
+    "ReplicasUnconfirmedError",
     "ScriptContractError",
     "StalledJobError",
     "schedule_sweep",
@@ -49,7 +51,14 @@ _TRANSPORT = "celery_emq.transport:Transport"
 
 # Registering the URL schemes is the one thing importing this package does:
 # with kombu always, and with Flower's broker client when Flower is loaded.
-for _scheme in ("emq", "emqs"):
+# A URL listing alternates ("emq+sentinel://a;emq+sentinel://b") makes kombu
+# read the next one whole after a connection error: its scheme is then the
+# transport's name, so each form is an alias too.
+for _scheme in (
+    "emq",
+    "emqs",
+    *(f"{base}+{kind}" for base in ("emq", "emqs") for kind in ("sentinel", "cluster")),
+):
     _existing = TRANSPORT_ALIASES.setdefault(_scheme, _TRANSPORT)
     if _existing != _TRANSPORT:
         warnings.warn(

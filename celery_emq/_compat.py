@@ -6,16 +6,19 @@ first in the channel's bases and gives each of them the kombu 5.7 behaviour on
 every supported release. :func:`keep_started_jobs_on_flush` mends a Celery
 worker that forgets, on a broker reconnect, tasks its pool children run (before
 5.6.3 all of them; since, those written to a child not yet heard to start).
+:func:`sentinel_connection_classes` mends redis-py 5.0.0's Sentinel connections,
+which break pub/sub.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
 from kombu.transport.base import to_rabbitmq_queue_arguments
 
-__all__ = ["ChannelCompat", "keep_started_jobs_on_flush"]
+__all__ = ["ChannelCompat", "keep_started_jobs_on_flush", "sentinel_connection_classes"]
 
 _KOMBU_OPTIONS: tuple[str, ...] = tuple(kombu_redis.Channel.from_transport_options)
 
@@ -98,3 +101,48 @@ def keep_started_jobs_on_flush() -> None:
 
     flush_keeping_started._emq_compat = True  # type: ignore[attr-defined]
     AsynPool.flush = flush_keeping_started
+
+
+def sentinel_connection_classes() -> tuple[type[Any], type[Any]]:
+    """redis-py's Sentinel-managed connection classes (plain and TLS), pub/sub-capable.
+
+    redis-py 5.0.0's ``SentinelManagedConnection.read_response`` does not take
+    the ``push_request`` argument its pub/sub passes (5.0.1 added it), so
+    kombu's fanout (remote control, events) raised ``TypeError`` through
+    Sentinel. There, a subclass takes it and hands it to the connection below,
+    keeping redis-py's rule: a master that now answers ``READONLY`` was demoted,
+    so the connection drops and asks the sentinels again.
+    """
+    from redis.exceptions import ConnectionError, ReadOnlyError
+    from redis.sentinel import SentinelManagedConnection, SentinelManagedSSLConnection
+
+    if "push_request" in inspect.signature(SentinelManagedConnection.read_response).parameters:
+        return SentinelManagedConnection, SentinelManagedSSLConnection
+
+    class PushingSentinelManagedConnection(SentinelManagedConnection):
+        def read_response(  # type: ignore[override]
+            self,
+            disable_decoding: bool = False,
+            *,
+            disconnect_on_error: bool = False,
+            push_request: bool = False,
+        ) -> Any:
+            below: Any = super(SentinelManagedConnection, self)
+            try:
+                return below.read_response(
+                    disable_decoding=disable_decoding,
+                    disconnect_on_error=disconnect_on_error,
+                    push_request=push_request,
+                )
+            except ReadOnlyError:
+                if self.connection_pool.is_master:
+                    self.disconnect()  # type: ignore[no-untyped-call]
+                    raise ConnectionError("The previous master is now a replica") from None
+                raise
+
+    class PushingSentinelManagedSSLConnection(
+        PushingSentinelManagedConnection, SentinelManagedSSLConnection
+    ):
+        pass
+
+    return PushingSentinelManagedConnection, PushingSentinelManagedSSLConnection

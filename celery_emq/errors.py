@@ -10,6 +10,7 @@ __all__ = [
     "InvalidBrokerURLError",
     "InvalidOptionError",
     "InvalidQueueNameError",
+    "ReplicasUnconfirmedError",
     "ScriptContractError",
     "StalledJobError",
 ]
@@ -91,3 +92,33 @@ class InvalidBrokerURLError(EmqError, ValueError):
     Raised before anything connects, so a mistyped URL never lands on whatever
     Redis answers on ``localhost:6379``.
     """
+
+
+class ReplicasUnconfirmedError(EmqError, OperationalError):
+    """Fewer replicas than ``wait_replicas`` confirmed a publish within ``wait_timeout_ms``.
+
+    The job is stored on the master (the write itself succeeded) but may or may
+    not survive a failover. Publishing it again carrying its job id
+    (``emq_job_id``, as kombu's retry of the same message does) is recognised
+    as the same job while that job waits or runs; once it ran and was acked,
+    such a publish is a new run.
+    """
+
+    def __init__(self, queue: str, job_id: str, confirmed: int, wanted: int, timeout_ms: int):
+        self.queue = queue
+        self.job_id = job_id
+        self.confirmed = confirmed
+        self.wanted = wanted
+        self.timeout_ms = timeout_ms
+        super().__init__(
+            f"publish of job {job_id} to queue {queue!r} was confirmed by {confirmed} of "
+            f"{wanted} replica(s) within {timeout_ms} ms (wait_replicas): the job is on the "
+            f"master but may or may not survive a failover; publishing it again with "
+            f"emq_job_id={job_id!r} does not store it twice while it waits or runs"
+        )
+
+    def __reduce__(self) -> tuple[type[ReplicasUnconfirmedError], tuple[str, str, int, int, int]]:
+        return (
+            type(self),
+            (self.queue, self.job_id, self.confirmed, self.wanted, self.timeout_ms),
+        )

@@ -1,4 +1,4 @@
-"""Flower support: teach Flower's broker client the ``emq://`` and ``emqs://`` schemes.
+"""Flower support: teach Flower's broker client the ``emq://`` schemes (and TLS, Sentinel).
 
 Flower picks its broker client by URL scheme. :func:`register` adds ours, whose
 queue lengths come from the job store: ``messages_ready`` is what is pending
@@ -26,10 +26,12 @@ import threading
 from typing import Any
 from urllib.parse import urlparse
 
+from .errors import InvalidOptionError
 from .keys import QueueKeys
 from .options import EmqOptions
 from .scripts import Scripts, read_tally, script_source
 from .store import LANE_PAGE
+from .topology import BrokerTarget, target_of
 
 __all__ = ["register"]
 
@@ -90,7 +92,7 @@ def register() -> bool:
                     )
                 return out
             finally:
-                await self.redis.aclose()
+                await _close(self.redis)
 
     class EmqBroker(EmqQueues, fb.Redis):  # type: ignore[misc]
         """Flower's client for ``emq://``."""
@@ -106,6 +108,26 @@ def register() -> bool:
             super().__init__(broker_url, *args, **kwargs)
             self._emq_init(kwargs)
 
+    class EmqSentinelBroker(EmqQueues, fb.RedisBase):  # type: ignore[misc]
+        """Flower's client for ``emq+sentinel://`` (``emqs+sentinel://``: TLS).
+
+        Its connections go to the master the sentinels name, so queue lengths
+        keep coming after a failover.
+        """
+
+        def __init__(self, broker_url: str, *args: Any, **kwargs: Any) -> None:
+            # Flower's base class reads one host from the URL: the first sentinel.
+            super().__init__(broker_url.split(";", 1)[0], *args, **kwargs)
+            self._emq_init(kwargs)
+            self.redis, self._sentinel = _sentinel_client(self, broker_url, kwargs)
+
+        async def queues(self, names: list[str]) -> list[dict[str, Any]]:
+            try:
+                return await super().queues(names)
+            finally:
+                for client in self._sentinel.sentinels:
+                    await _close(client)
+
     original = fb.Broker.__new__
 
     def __new__(cls: type, broker_url: str, *args: Any, **kwargs: Any) -> Any:
@@ -114,6 +136,8 @@ def register() -> bool:
             return EmqsBroker(broker_url, *args, **kwargs)
         if scheme == "emq":
             return EmqBroker(broker_url, *args, **kwargs)
+        if scheme in ("emq+sentinel", "emqs+sentinel"):
+            return EmqSentinelBroker(broker_url, *args, **kwargs)
         return original(cls, broker_url, *args, **kwargs)
 
     fb.Broker.__new__ = __new__
@@ -171,6 +195,72 @@ def attach(flower_app: Any) -> None:
                 return
             _collector = EmqCollector(flower_app.emq_store)
             REGISTRY.register(_collector)
+
+
+def _sentinel_client(broker: Any, broker_url: str, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """Return an asyncio client of the master the sentinels name, and its ``Sentinel``."""
+    from redis.asyncio.retry import Retry
+    from redis.asyncio.sentinel import Sentinel
+    from redis.backoff import NoBackoff
+
+    options = kwargs.get("broker_options") or {}
+    master_name = options.get("master_name")
+    if not master_name:
+        raise InvalidOptionError(
+            "master_name", master_name, "the name of the master the sentinels monitor"
+        )
+    target = _sentinel_target(broker_url)
+    timeouts = {
+        "socket_connect_timeout": broker.socket_connect_timeout,
+        "socket_timeout": broker.socket_timeout,
+    }
+    sentinel_kwargs = {**timeouts, **(options.get("sentinel_kwargs") or {})}
+    connection_kwargs: dict[str, Any] = {
+        **timeouts,
+        "db": target.db,
+        "username": target.username,
+        "password": target.password,
+        "retry": Retry(NoBackoff(), 0),
+    }
+    use_ssl = kwargs.get("broker_use_ssl")
+    if target.tls or use_ssl:
+        connection_kwargs["ssl"] = True
+        if isinstance(use_ssl, dict):
+            connection_kwargs.update(use_ssl)
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        list(target.nodes),
+        min_other_sentinels=int(options.get("min_other_sentinels") or 0),
+        sentinel_kwargs=sentinel_kwargs,
+        **connection_kwargs,
+    )
+    return sentinel.master_for(master_name), sentinel
+
+
+def _sentinel_target(broker_url: str) -> BrokerTarget:
+    """The sentinels and database of a Flower broker URL.
+
+    Flower hands the first alternate of the app's URL only (``as_uri``), without
+    the database: the app's own URL completes it when it lists that sentinel.
+    """
+    from kombu.connection import Connection
+
+    target = target_of(Connection(broker_url))  # type: ignore[no-untyped-call]
+    try:
+        from celery import current_app
+
+        with current_app.connection_for_read() as conn:
+            full = target_of(conn)
+    except Exception:
+        return target
+    if full.kind == "sentinel" and set(target.nodes) <= set(full.nodes):
+        return full
+    return target
+
+
+async def _close(client: Any) -> None:
+    """Close an asyncio client: ``aclose()``, or ``close()`` on redis-py 5.0.0."""
+    aclose = getattr(client, "aclose", None)
+    await (aclose() if aclose is not None else client.close())
 
 
 def register_if_loaded() -> None:

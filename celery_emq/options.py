@@ -82,6 +82,12 @@ class EmqOptions:
         settle_delay_ms: How long, inside a running worker, an ack (or a start
             record the worker writes for a prefork child) may wait for others
             to be sent with it in one round trip; 0 sends each when made.
+        wait_replicas: How many replicas must confirm each publish and each
+            settle (Redis ``WAIT``) before it counts as done; 0 (default) asks
+            none. A publish fewer confirm raises
+            :class:`~celery_emq.errors.ReplicasUnconfirmedError`; a settle
+            fewer confirm is logged (its task may run again after a failover).
+        wait_timeout_ms: How long one ``WAIT`` may block for those replicas.
     """
 
     lease_ms: int = 30_000
@@ -94,6 +100,8 @@ class EmqOptions:
     dead_max_size: int = 10_000
     dead_max_age_s: int = 7 * 86_400
     settle_delay_ms: int = 5
+    wait_replicas: int = 0
+    wait_timeout_ms: int = 1000
 
     @classmethod
     def from_transport_options(cls, topts: Mapping[str, Any]) -> EmqOptions:
@@ -149,4 +157,7 @@ class EmqOptions:
             settle_delay_ms=_int(
                 topts, "settle_delay_ms", cls.settle_delay_ms, 0, min(1000, lease_ms // 10)
             ),
+            wait_replicas=_int(topts, "wait_replicas", cls.wait_replicas, 0, 100),
+            # WAIT 0 would block for ever: a bound is required.
+            wait_timeout_ms=_int(topts, "wait_timeout_ms", cls.wait_timeout_ms, 1, 60_000),
         )

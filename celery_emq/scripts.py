@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, RedisError
 
 from .errors import ScriptContractError
 from .keys import QueueKeys
@@ -198,29 +198,9 @@ class Scripts:
         ``eta_ms`` is still ahead waits in ``delayed`` until it is due. Given a
         pipeline as ``client``, the call is queued on it (and ``OK`` returned).
         """
-        keys = [
-            k.pending,
-            k.wake,
-            k.seq,
-            k.job(job_id),
-            k.lanes,
-            k.expires,
-            k.base,
-            k.msg(job_id),
-            k.delayed,
-            k.etas,
-        ]
-        args = [
-            job_id,
-            payload,
-            priority,
-            _time_arg(now_ms),
-            ttl_ms,
-            _budget_arg(max_stalled),
-            group,
-            "" if eta_ms is None else eta_ms,
-            task_id,
-        ]
+        keys, args = _enqueue_call(
+            k, job_id, payload, priority, now_ms, ttl_ms, max_stalled, group, eta_ms, task_id
+        )
         if client is not None:
             self._scripts["enqueue"](keys=keys, args=args, client=client)
             return Outcome.OK
@@ -465,13 +445,52 @@ class Scripts:
         return n
 
 
+def _enqueue_call(
+    k: QueueKeys,
+    job_id: str,
+    payload: str | bytes,
+    priority: int,
+    now_ms: int | None,
+    ttl_ms: int,
+    max_stalled: int | Unset | None,
+    group: str,
+    eta_ms: int | None,
+    task_id: str,
+) -> tuple[list[str], list[Any]]:
+    """The KEYS and ARGV of one ``enqueue.lua`` call (see :meth:`Scripts.enqueue`)."""
+    keys = [
+        k.pending,
+        k.wake,
+        k.seq,
+        k.job(job_id),
+        k.lanes,
+        k.expires,
+        k.base,
+        k.msg(job_id),
+        k.delayed,
+        k.etas,
+    ]
+    args = [
+        job_id,
+        payload,
+        priority,
+        _time_arg(now_ms),
+        ttl_ms,
+        _budget_arg(max_stalled),
+        group,
+        "" if eta_ms is None else eta_ms,
+        task_id,
+    ]
+    return keys, args
+
+
 class Batch:
     """Script calls on one client sent together: one round trip for the lot.
 
     A non-transactional pipeline of ``EVALSHA`` calls: each script stays atomic
     on its own, and one call's error (or a script the server lost after a
-    ``SCRIPT FLUSH`` or a restart, which is loaded and run again alone) leaves
-    the others' results standing. redis-py's pipeline would ask ``SCRIPT
+    ``SCRIPT FLUSH``, a restart or a failover, which is loaded and run again)
+    leaves the others' results standing. redis-py's pipeline would ask ``SCRIPT
     EXISTS`` first, a round trip of its own on every send: the calls here go
     as plain ``EVALSHA`` instead.
 
@@ -486,6 +505,8 @@ class Batch:
         self._replies: list[Any] = []
         #: Per handle: the indices of its calls and how to read their replies.
         self._handles: list[tuple[list[int], Callable[[list[Any]], Any]]] = []
+        #: Replicas that confirmed the last :meth:`execute`'s writes (None: not asked).
+        self.confirmed: int | None = None
 
     def __len__(self) -> int:
         return len(self._handles)
@@ -495,6 +516,25 @@ class Batch:
         self._calls.extend(calls)
         self._handles.append((list(range(first, len(self._calls))), read))
         return len(self._handles) - 1
+
+    def enqueue(
+        self,
+        k: QueueKeys,
+        job_id: str,
+        payload: str | bytes,
+        priority: int,
+        now_ms: int | None,
+        ttl_ms: int = 0,
+        max_stalled: int | Unset | None = UNSET,
+        group: str = "",
+        eta_ms: int | None = None,
+        task_id: str = "",
+    ) -> int:
+        """Queue :meth:`Scripts.enqueue`; its result is an :class:`Outcome`."""
+        keys, args = _enqueue_call(
+            k, job_id, payload, priority, now_ms, ttl_ms, max_stalled, group, eta_ms, task_id
+        )
+        return self._add([("enqueue", keys, args)], lambda replies: _outcome(replies[0], "enqueue"))
 
     def start(self, k: QueueKeys, job_id: str, token: int) -> int:
         """Queue :meth:`Scripts.start`; its result is an :class:`Outcome`."""
@@ -530,29 +570,60 @@ class Batch:
             lambda replies: read_tally(replies[0]),
         )
 
-    def execute(self) -> None:
+    def execute(self, confirm: Callable[[Any], None] | None = None) -> None:
         """Send every queued call in one round trip.
+
+        Args:
+            confirm: given, it is handed the pipeline once the calls are queued
+                on it and queues one ``WAIT`` there, on the connection that
+                carries the writes (:meth:`JobStore.confirm_replicas`);
+                :attr:`confirmed` is then how many replicas acknowledged them.
 
         Raises:
             redis.RedisError: the round trip itself failed (nothing is known
                 of any call: each may or may not have run).
         """
+        self.confirmed = None
         if not self._calls:
             return
-        scripts = self._scripts._scripts
-        client = self._scripts._client
-        with client.pipeline(transaction=False) as pipe:
-            for name, keys, args in self._calls:
-                pipe.execute_command("EVALSHA", scripts[name].sha, len(keys), *keys, *args)
-            replies = pipe.execute(raise_on_error=False)
-        for i, reply in enumerate(replies):
-            if isinstance(reply, NoScriptError):
-                name, keys, args = self._calls[i]
-                try:
-                    replies[i] = self._scripts._run(name, keys, args)
-                except Exception as exc:
-                    replies[i] = exc
+        replies = self._send(self._calls, confirm, load=False)
+        lost = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if lost:
+            # The server lost its scripts (a restart, a failover, SCRIPT FLUSH):
+            # run those calls again by their text, in one more round trip on
+            # one connection, which the WAIT (if any) then covers too.
+            try:
+                again = self._send([self._calls[i] for i in lost], confirm, load=True)
+            except RedisError as exc:
+                again = [exc] * len(lost)
+                self.confirmed = 0 if confirm is not None else None
+            for i, reply in zip(lost, again, strict=True):
+                replies[i] = reply
         self._replies = replies
+
+    def _send(
+        self,
+        calls: list[tuple[str, list[str], list[Any]]],
+        confirm: Callable[[Any], None] | None,
+        load: bool,
+    ) -> list[Any]:
+        scripts = self._scripts._scripts
+        with self._scripts._client.pipeline(transaction=False) as pipe:
+            for name, keys, args in calls:
+                if load:
+                    # EVAL runs the script's text, and caches it for the next EVALSHA.
+                    pipe.execute_command("EVAL", scripts[name].script, len(keys), *keys, *args)
+                else:
+                    pipe.execute_command("EVALSHA", scripts[name].sha, len(keys), *keys, *args)
+            if confirm is not None:
+                confirm(pipe)
+            replies: list[Any] = pipe.execute(raise_on_error=False)
+        if confirm is not None:
+            reply = replies.pop()
+            # The writes of both round trips count: the fewer replicas that hold all.
+            n = reply if isinstance(reply, int) else 0
+            self.confirmed = n if self.confirmed is None else min(self.confirmed, n)
+        return replies
 
     def result(self, handle: int) -> Any:
         """Return what the call queued as ``handle`` answered, or raise its error."""

@@ -27,6 +27,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -151,8 +152,14 @@ class SettleBatcher:
             entry.acks.append((queue, claims, entry.batch.ack(entry.store.keys(queue), pairs)))
         for entry in by_store.values():
             self.sends += 1
+            store = entry.store
+            confirm = None
+            if store.wait_replicas:
+                # One WAIT on the connection that carried this store's settles.
+                queue = entry.acks[0][0] if entry.acks else entry.starts[0][0].queue
+                confirm = partial(store.confirm_replicas, queue=queue)
             try:
-                entry.batch.execute()
+                entry.batch.execute(confirm=confirm)
             except redis.RedisError as exc:
                 for queue, claims, _ in entry.acks:
                     _owe(queue, claims, exc)
@@ -171,6 +178,15 @@ class SettleBatcher:
                     )
                     continue
                 _log_ack_outcomes(queue, claims, outcomes)
+            if confirm is not None and (entry.batch.confirmed or 0) < store.wait_replicas:
+                logger.warning(
+                    "celery_emq: %d settle(s) confirmed by %d of %d replica(s) within %d ms "
+                    "(wait_replicas): after a failover their tasks may run again; nothing is lost",
+                    len(entry.starts) + sum(len(claims) for _, claims, _ in entry.acks),
+                    entry.batch.confirmed or 0,
+                    store.wait_replicas,
+                    store.wait_timeout_ms,
+                )
             for claim, handle in entry.starts:
                 try:
                     outcome = entry.batch.result(handle)

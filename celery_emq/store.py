@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .codec import pack, unpack
+from .errors import ReplicasUnconfirmedError
 from .keys import QueueKeys
 from .scripts import UNSET, Claimed, Outcome, Scripts, Swept, Unset
 
@@ -34,12 +35,24 @@ class JobStore:
         client: a redis-py client (bytes replies, no key prefixing).
         prefix: the key prefix (``EmqOptions.key_prefix``).
         lease_ms: how long a claim holds a job.
+        wait_replicas: how many replicas must confirm each publish and settle
+            (0: none asked; see :meth:`confirm_replicas`).
+        wait_timeout_ms: how long one confirmation may wait.
     """
 
-    def __init__(self, client: Any, prefix: str, lease_ms: int) -> None:
+    def __init__(
+        self,
+        client: Any,
+        prefix: str,
+        lease_ms: int,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 1000,
+    ) -> None:
         self.client = client
         self.prefix = prefix
         self.lease_ms = lease_ms
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_ms = wait_timeout_ms
         self.scripts = Scripts(client)
         self._keys: dict[str, QueueKeys] = {}
 
@@ -73,8 +86,12 @@ class JobStore:
         in use. A job whose ``eta_ms`` is still ahead (on the Redis server's
         clock) waits in the queue's delayed set until :meth:`promote` finds it
         due; ``task_id`` lets a revoke find it (:meth:`promote_tasks`).
+
+        Raises:
+            ReplicasUnconfirmedError: with ``wait_replicas``, fewer replicas
+                confirmed the write in time (it stands on the master).
         """
-        return self.scripts.enqueue(
+        args = (
             self.keys(queue),
             job_id,
             pack(payload),
@@ -86,6 +103,27 @@ class JobStore:
             eta_ms,
             task_id,
         )
+        if not self.wait_replicas:
+            return self.scripts.enqueue(*args)
+        batch = self.scripts.batch()
+        handle = batch.enqueue(*args)
+        batch.execute(confirm=lambda pipe: self.confirm_replicas(pipe, queue))
+        outcome: Outcome = batch.result(handle)
+        if (batch.confirmed or 0) < self.wait_replicas:
+            raise ReplicasUnconfirmedError(
+                queue, job_id, batch.confirmed or 0, self.wait_replicas, self.wait_timeout_ms
+            )
+        return outcome
+
+    def confirm_replicas(self, client: Any, queue: str | None = None) -> None:
+        """Queue ``WAIT wait_replicas wait_timeout_ms`` on ``client``.
+
+        ``client`` is the pipeline (or connection) that carried the writes to
+        confirm: ``WAIT`` counts the replicas holding the writes of its own
+        connection. A store over Redis Cluster routes it to the node owning
+        ``queue``'s slot.
+        """
+        client.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
 
     def promote(self, queue: str, limit: int = PROMOTE_BATCH, now_ms: int | None = None) -> int:
         """Move up to ``limit`` delayed jobs that are due into their queue or lane."""

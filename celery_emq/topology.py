@@ -51,12 +51,19 @@ class BrokerTarget:
 
 def target_of(conninfo: Any) -> BrokerTarget:
     """Read a kombu ``Connection``'s URL; raise :class:`InvalidBrokerURLError` if not served."""
-    tls = conninfo.transport_cls == "emqs"
-    prefix = getattr(conninfo, "uri_prefix", None)
+    scheme = conninfo.transport_cls if isinstance(conninfo.transport_cls, str) else ""
+    # After a connection error kombu switches to the URL's next alternate and
+    # reads it whole: the transport is then "emq+sentinel" and the host plain.
+    base, _, switched = scheme.partition("+")
+    tls = base == "emqs"
+    prefix = base if switched else getattr(conninfo, "uri_prefix", None)
     host = conninfo.hostname or ""
-    if not prefix or "://" not in host:
+    if switched and switched != "socket":
+        urls = list(conninfo.alt) or [f"{scheme}://{host}:{conninfo.port}"]
+    elif not prefix or "://" not in host:
         return BrokerTarget("single", tls)
-    urls = list(conninfo.alt) or [f"{prefix}+{host}"]
+    else:
+        urls = list(conninfo.alt) or [f"{prefix}+{host}"]
     kinds, nodes = set(), []
     db: int | None = None
     username = password = None

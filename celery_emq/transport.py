@@ -176,7 +176,9 @@ class Channel(ChannelCompat, kombu_redis.Channel):
         topts = connection.client.transport_options
         # Validate before connecting, so a bad option fails fast and by name.
         self.emq = EmqOptions.from_transport_options(topts)
-        if connection.client.transport_cls == "emqs" and not connection.client.ssl:
+        # The target, not the scheme: after a switch to the next alternate of
+        # an emqs+sentinel:// URL, kombu names the transport "emqs+sentinel".
+        if connection.target.tls and not connection.client.ssl:
             self.connection_class = self.connection_class_ssl
         self._no_ack: dict[str, bool] = {}
         self._accept: dict[str, Any] = {}
@@ -208,6 +210,8 @@ class Channel(ChannelCompat, kombu_redis.Channel):
                 self._new_store_client(),
                 self.emq.key_prefix,
                 self.emq.lease_ms,
+                self.emq.wait_replicas,
+                self.emq.wait_timeout_ms,
             )
         return self._store
 
@@ -708,6 +712,10 @@ def _channel_class(target: BrokerTarget) -> type[Channel]:
     """The channel class serving a broker URL's deployment."""
     if target.kind == "single":
         return Channel
+    if target.kind == "sentinel":
+        from .sentinel import SentinelChannel
+
+        return SentinelChannel
     raise InvalidBrokerURLError(
         f"Redis {target.kind} (emq+{target.kind}://) is not available in this build; "
         f"the forms served are {FORMS}"

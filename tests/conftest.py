@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from collections.abc import Iterator
@@ -14,7 +15,13 @@ from celery_emq.lease import LeaseKeeper
 from celery_emq.store import JobStore
 
 #: The Redis the tests talk to; a database of their own on the machine's server.
+#: Always a direct URL (the master's): the result backend and key inspection use it.
 REDIS_URL = os.environ.get("EMQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
+#: The broker URL of the apps and workers the tests start: by default the same
+#: server through ``emq://``, or another form of it (``emq+sentinel://...``).
+BROKER_URL = os.environ.get("EMQ_TEST_BROKER_URL") or REDIS_URL.replace("redis://", "emq://", 1)
+#: Transport options that URL needs (a JSON object, e.g. ``{"master_name": "m"}``).
+BROKER_OPTIONS: dict[str, object] = json.loads(os.environ.get("EMQ_TEST_BROKER_OPTIONS") or "{}")
 
 
 def delete_prefix(client: redis.Redis, prefix: str) -> None:
@@ -32,6 +39,11 @@ def delete_prefix(client: redis.Redis, prefix: str) -> None:
 @pytest.fixture
 def redis_url() -> str:
     return REDIS_URL
+
+
+@pytest.fixture
+def broker_url() -> str:
+    return BROKER_URL
 
 
 @pytest.fixture
@@ -54,12 +66,12 @@ def prefix(client: redis.Redis) -> Iterator[str]:
 
 
 @pytest.fixture
-def app(redis_url: str, prefix: str) -> Iterator[Celery]:
-    """A Celery app on emq:// and the Redis result backend, both under the test's prefix."""
+def app(redis_url: str, broker_url: str, prefix: str) -> Iterator[Celery]:
+    """A Celery app on the test broker and the Redis result backend, under the test's prefix."""
     a = Celery("emqtest", set_as_current=False)
     a.conf.update(
-        broker_url=redis_url.replace("redis://", "emq://", 1),
-        broker_transport_options={"global_keyprefix": prefix},
+        broker_url=broker_url,
+        broker_transport_options={**BROKER_OPTIONS, "global_keyprefix": prefix},
         result_backend=redis_url,
         result_backend_transport_options={"global_keyprefix": prefix},
     )

@@ -1,7 +1,10 @@
 """The Celery app the end-to-end tests run under real ``celery worker`` processes.
 
 Configured from the environment so each test gets its own key prefix and lease:
-``EMQ_E2E_REDIS`` (a ``redis://`` URL), ``EMQ_E2E_PREFIX``, ``EMQ_E2E_LEASE_MS``.
+``EMQ_E2E_REDIS`` (a ``redis://`` URL), ``EMQ_E2E_PREFIX``, ``EMQ_E2E_LEASE_MS``;
+``EMQ_E2E_BROKER`` (default: ``EMQ_E2E_REDIS`` through ``emq://``) and
+``EMQ_E2E_BROKER_OPTIONS`` (JSON transport options it needs) name the broker
+when it is reached another way (``emq+sentinel://``).
 Tasks record every run in Redis under the prefix so tests can count them: in the
 broker's Redis, or in ``EMQ_E2E_LEDGER`` (which also holds the results) when a
 fault test takes the broker's Redis down.
@@ -9,6 +12,7 @@ fault test takes the broker's Redis down.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -26,17 +30,25 @@ REDIS = os.environ.get("EMQ_E2E_REDIS", "redis://127.0.0.1:6379/11")
 PREFIX = os.environ.get("EMQ_E2E_PREFIX", "e2e:")
 LEASE_MS = int(os.environ.get("EMQ_E2E_LEASE_MS", "30000"))
 LEDGER = os.environ.get("EMQ_E2E_LEDGER") or REDIS
+BROKER = os.environ.get("EMQ_E2E_BROKER") or None
+BROKER_OPTIONS: dict[str, Any] = json.loads(os.environ.get("EMQ_E2E_BROKER_OPTIONS") or "{}")
 
 
 def make_conf(
-    redis_url: str, prefix: str, lease_ms: int, ledger: str | None = None
+    redis_url: str,
+    prefix: str,
+    lease_ms: int,
+    ledger: str | None = None,
+    broker: str | None = None,
+    broker_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Return the Celery settings shared by the workers and the test's client."""
     return {
-        "broker_url": redis_url.replace("redis://", "emq://", 1),
+        "broker_url": broker or redis_url.replace("redis://", "emq://", 1),
         "result_backend": ledger or redis_url,
         "result_backend_transport_options": {"global_keyprefix": prefix},
         "broker_transport_options": {
+            **(broker_options or {}),
             "global_keyprefix": prefix,
             "lease_ms": lease_ms,
             "client_name": os.environ.get("EMQ_E2E_CLIENT_NAME", "emq-e2e"),
@@ -52,16 +64,21 @@ def make_conf(
 
 
 def client_app(
-    redis_url: str, prefix: str, lease_ms: int = 30000, ledger: str | None = None
+    redis_url: str,
+    prefix: str,
+    lease_ms: int = 30000,
+    ledger: str | None = None,
+    broker: str | None = None,
+    broker_options: dict[str, Any] | None = None,
 ) -> Celery:
     """A Celery app for the test process, sending to the same queues."""
     c = Celery("e2e-client", set_as_current=False)
-    c.conf.update(make_conf(redis_url, prefix, lease_ms, ledger))
+    c.conf.update(make_conf(redis_url, prefix, lease_ms, ledger, broker, broker_options))
     return c
 
 
 app = Celery("e2e")
-app.conf.update(make_conf(REDIS, PREFIX, LEASE_MS, LEDGER))
+app.conf.update(make_conf(REDIS, PREFIX, LEASE_MS, LEDGER, BROKER, BROKER_OPTIONS))
 if os.environ.get("EMQ_E2E_BEAT_S"):
     celery_emq.schedule_sweep(app, every_s=float(os.environ["EMQ_E2E_BEAT_S"]))
 
@@ -86,6 +103,12 @@ def note_run(tag: str) -> int:
 @app.task(ignore_result=True)
 def record(i: int) -> None:
     rec().hincrby(PREFIX + "runs", str(i), 1)
+
+
+@app.task(ignore_result=True)
+def ledger(i: int) -> None:
+    """Append ``<i> <time run>`` to ``<prefix>ledger`` (the failover test counts runs)."""
+    rec().rpush(PREFIX + "ledger", f"{i} {time.time()!r}")
 
 
 @app.task

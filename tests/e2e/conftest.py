@@ -5,12 +5,17 @@ from pathlib import Path
 
 import pytest
 
-from .harness import Worker
+from .harness import Worker, broker_env, suite_app
 
 
 @pytest.fixture
 def e2e_env(redis_url: str, prefix: str) -> dict[str, str]:
-    return {"EMQ_E2E_REDIS": redis_url, "EMQ_E2E_PREFIX": prefix, "EMQ_E2E_LEASE_MS": "30000"}
+    return {
+        "EMQ_E2E_REDIS": redis_url,
+        "EMQ_E2E_PREFIX": prefix,
+        "EMQ_E2E_LEASE_MS": "30000",
+        **broker_env(),
+    }
 
 
 @pytest.fixture
@@ -31,8 +36,6 @@ def start_worker(tmp_path: Path, e2e_env: dict[str, str]) -> Iterator[Callable[.
 
 @pytest.fixture
 def capp(redis_url: str, prefix: str) -> Iterator[object]:
-    from .app import client_app
-
-    c = client_app(redis_url, prefix)
+    c = suite_app(redis_url, prefix)
     yield c
     c.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,6 +13,24 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def suite_app(redis_url: str, prefix: str, lease_ms: int = 30000) -> Any:
+    """The test process's app: on the suite's broker URL, results on ``redis_url``."""
+    from tests.conftest import BROKER_OPTIONS, BROKER_URL
+
+    from .app import client_app
+
+    return client_app(
+        redis_url, prefix, lease_ms, broker=BROKER_URL, broker_options=dict(BROKER_OPTIONS)
+    )
+
+
+def broker_env() -> dict[str, str]:
+    """The environment naming the suite's broker to a worker of ``tests.e2e.app``."""
+    from tests.conftest import BROKER_OPTIONS, BROKER_URL
+
+    return {"EMQ_E2E_BROKER": BROKER_URL, "EMQ_E2E_BROKER_OPTIONS": json.dumps(BROKER_OPTIONS)}
 
 
 def wait_for(cond: Callable[[], Any], timeout: float, interval: float = 0.1) -> Any:

@@ -83,6 +83,7 @@ def test_errors_are_one_line_and_non_zero(e2e_env: dict[str, str]) -> None:
     assert "'worker-lost'" in bad_reason.stderr and "worker_lost" in bad_reason.stderr
     bad_time = emq(e2e_env, "dead", "ls", "--since", "yesterday-ish")
     assert bad_time.returncode != 0 and "--since" in bad_time.stderr
-    wrong_broker = emq({**e2e_env, "EMQ_E2E_REDIS": "redis://127.0.0.1:1/0"}, "status")
+    nowhere = {"EMQ_E2E_REDIS": "redis://127.0.0.1:1/0", "EMQ_E2E_BROKER": "emq://127.0.0.1:1/0"}
+    wrong_broker = emq({**e2e_env, **nowhere}, "status")
     assert wrong_broker.returncode != 0
     assert len(wrong_broker.stderr.strip().splitlines()) == 1

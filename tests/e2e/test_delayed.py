@@ -14,8 +14,7 @@ from celery.result import AsyncResult
 from celery_emq.status import queue_status
 from celery_emq.store import JobStore
 
-from .app import client_app
-from .harness import Worker, wait_for
+from .harness import Worker, suite_app, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +68,7 @@ def test_a_delayed_task_survives_a_killed_worker(
 def test_revoke_before_the_eta_discards_the_task(
     start_worker: Callable[..., Worker], client: redis.Redis, prefix: str, redis_url: str
 ) -> None:
-    capp = client_app(redis_url, prefix)
+    capp = suite_app(redis_url, prefix)
     start_worker("-c", "1")
     store = JobStore(client, prefix + "emq", 30000)
     doomed = capp.send_task("tests.e2e.app.sleepy", args=(0, "doomed"), countdown=3600)
@@ -92,7 +91,7 @@ def test_a_worker_that_never_heard_the_revoke_still_discards_the_task(
     # that has forgotten it, hours later): the mark on the job decides.
     from celery_emq.worker_state import promote_revoked
 
-    capp = client_app(redis_url, prefix)
+    capp = suite_app(redis_url, prefix)
     doomed = capp.send_task("tests.e2e.app.sleepy", args=(0, "doomed"), countdown=3600)
     capp.send_task("tests.e2e.app.sleepy", args=(0, "kept"))
     store = JobStore(client, prefix + "emq", 30000)

@@ -22,8 +22,8 @@ from celery_emq import StalledJobError
 from celery_emq.store import JobStore
 
 from . import app as e2e_app
-from .app import client_app, note_unpickled
-from .harness import Worker, run_celery, wait_for
+from .app import note_unpickled
+from .harness import Worker, run_celery, suite_app, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +47,7 @@ def test_a_stopped_worker_is_fenced_after_its_job_ran_again_elsewhere(
 ) -> None:
     lease_ms = 2000
     env = {"EMQ_E2E_LEASE_MS": str(lease_ms), "EMQ_E2E_SWEEP_S": "0.5"}
-    capp = client_app(redis_url, prefix, lease_ms)
+    capp = suite_app(redis_url, prefix, lease_ms)
     store = JobStore(client, prefix + "emq", lease_ms)
     k = store.keys("celery")
     workers = {w.name: w for w in (start_worker("-c", "1", name=n, **env) for n in ("a", "b"))}

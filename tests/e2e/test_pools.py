@@ -24,8 +24,7 @@ import redis
 from celery_emq import StalledJobError
 from celery_emq.store import JobStore
 
-from .app import client_app
-from .harness import Worker, lapsed_leases, wait_for
+from .harness import Worker, lapsed_leases, suite_app, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -83,7 +82,7 @@ def node(worker_or_hostname: Worker | str) -> str:
 
 @pytest.fixture
 def capp(redis_url: str, prefix: str) -> Any:
-    c = client_app(redis_url, prefix, LEASE_MS)
+    c = suite_app(redis_url, prefix, LEASE_MS)
     yield c
     c.close()
 

@@ -15,8 +15,7 @@ import redis
 from celery_emq import StalledJobError
 from celery_emq.store import JobStore
 
-from .app import client_app
-from .harness import ROOT, Worker, wait_for
+from .harness import ROOT, Worker, suite_app, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +28,7 @@ def test_sigkilled_worker_task_restarts_on_a_survivor(
     start_worker: Callable[..., Worker], client: redis.Redis, prefix: str, redis_url: str
 ) -> None:
     lease_ms = 5000
-    capp = client_app(redis_url, prefix, lease_ms)
+    capp = suite_app(redis_url, prefix, lease_ms)
     doomed = start_worker("-c", "1", name="doomed", EMQ_E2E_LEASE_MS=str(lease_ms))
     result = capp.send_task("tests.e2e.app.sleepy", args=(3, "victim"))
     wait_for(lambda: runs(client, prefix).get("victim") == 1, 15)
@@ -54,7 +53,7 @@ def test_killed_worker_past_budget_is_dead_lettered_by_a_survivors_sweep(
     start_worker: Callable[..., Worker], client: redis.Redis, prefix: str, redis_url: str
 ) -> None:
     lease_ms = 2000
-    capp = client_app(redis_url, prefix, lease_ms)
+    capp = suite_app(redis_url, prefix, lease_ms)
     env = {"EMQ_E2E_LEASE_MS": str(lease_ms), "EMQ_E2E_MAX_STALLED": "0", "EMQ_E2E_SWEEP_S": "0.5"}
     doomed = start_worker("-c", "1", name="doomed", **env)
     result = capp.send_task("tests.e2e.app.sleepy", args=(30, "once"))

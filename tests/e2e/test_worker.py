@@ -12,8 +12,7 @@ from celery import chain, chord, group
 
 from celery_emq.store import JobStore
 
-from .app import client_app
-from .harness import Worker, lapsed_leases, wait_for
+from .harness import Worker, lapsed_leases, suite_app, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +43,7 @@ def test_long_task_and_eta_outlive_the_lease_and_run_once(
     start_worker: Callable[..., Worker], client: redis.Redis, prefix: str, redis_url: str
 ) -> None:
     lease_ms = 3000
-    capp = client_app(redis_url, prefix, lease_ms)
+    capp = suite_app(redis_url, prefix, lease_ms)
     start_worker("-c", "2", EMQ_E2E_LEASE_MS=str(lease_ms))
     store = JobStore(client, prefix + "emq", lease_ms)
     sent_at = time.time()
@@ -109,7 +108,7 @@ def test_other_pools_keep_leases_of_blocking_tasks(
     redis_url: str,
 ) -> None:
     lease_ms = 1500
-    capp = client_app(redis_url, prefix, lease_ms)
+    capp = suite_app(redis_url, prefix, lease_ms)
     start_worker("-P", pool, "-c", "2", EMQ_E2E_LEASE_MS=str(lease_ms))
     store = JobStore(client, prefix + "emq", lease_ms)
     # A solo worker runs tasks on its event loop: the lease keeper's thread alone
@@ -177,7 +176,7 @@ def test_broker_reconnect_keeps_running_task_leased_and_acks_it(
     start_worker: Callable[..., Worker], client: redis.Redis, prefix: str, redis_url: str
 ) -> None:
     lease_ms = 2000
-    capp = client_app(redis_url, prefix, lease_ms)
+    capp = suite_app(redis_url, prefix, lease_ms)
     name = f"emq-reconnect-{prefix.strip(':')}"
     w = start_worker("-c", "1", EMQ_E2E_LEASE_MS=str(lease_ms), EMQ_E2E_CLIENT_NAME=name)
     store = JobStore(client, prefix + "emq", lease_ms)

@@ -74,3 +74,24 @@ def test_cluster_url_does_not_land_on_the_local_redis() -> None:
         assert str(port) in str(err.value) or isinstance(err.value, InvalidBrokerURLError)
     finally:
         conn.release()
+
+
+@pytest.mark.parametrize(
+    ("url", "kind"),
+    [
+        ("emq+sentinel://:pw@127.0.0.1:26379;emq+sentinel://127.0.0.2:26380/4", "sentinel"),
+        ("emqs+sentinel://127.0.0.1:26379;emqs+sentinel://127.0.0.2:26380/4", "sentinel"),
+        ("emq+cluster://127.0.0.1:7101;emq+cluster://127.0.0.2:7102/0", "cluster"),
+    ],
+)
+def test_switching_to_the_next_alternate_names_the_same_deployment(url: str, kind: str) -> None:
+    # On a connection error kombu switches to the URL's next alternate, which it
+    # reads as a URL of transport "emq+sentinel": that must still name the same
+    # deployment, not one server on the sentinel's port (or an unknown transport).
+    conn = Connection(url)
+    before = target_of(conn)
+    conn.switch(conn.alt[1])
+    assert conn.get_transport_cls() is not None
+    after = target_of(conn)
+    assert after == before
+    assert after.kind == kind

@@ -248,10 +248,10 @@ def test_an_ack_that_fails_keeps_the_claim_and_goes_through_later(
             raise redis.ConnectionError("Redis went away")
         return ack_many(self, *args, **kwargs)
 
-    def batch_unreachable(self: Batch) -> None:
+    def batch_unreachable(self: Batch, **kwargs: Any) -> None:
         if down[0]:
             raise redis.ConnectionError("Redis went away")
-        execute(self)
+        execute(self, **kwargs)
 
     # Acks are sent in batches (settle.py); the keeper retries owed ones alone.
     monkeypatch.setattr(Batch, "execute", batch_unreachable)

@@ -1,0 +1,118 @@
+"""``emq+sentinel://``: the transport on the master that Redis Sentinel names.
+
+The broker URL lists the sentinels
+(``emq+sentinel://s1:26379;emq+sentinel://s2:26379/0``, read by
+:func:`~celery_emq.topology.target_of`); the transport option ``master_name``
+names the master they monitor. kombu's ``sentinel://`` options keep their
+meaning: ``min_other_sentinels`` (a sentinel that knows fewer peers is not
+believed) and ``sentinel_kwargs`` (how to connect to the sentinels themselves,
+for instance their password).
+
+Every connection the transport opens is one of redis-py's
+``SentinelManagedConnection``: it asks the sentinels for the master's address
+whenever it connects, and a connection that meets a demoted master (``READONLY``)
+drops. kombu's clients (publish, the blocking claim's BRPOP, fanout pub/sub) and
+the job store's client (lease keeper, settles, sweep, CLI) all reconnect to the
+promoted replica after a failover.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+from redis.sentinel import Sentinel
+
+from ._compat import sentinel_connection_classes
+from .errors import InvalidOptionError
+from .topology import BrokerTarget
+from .transport import Channel
+
+__all__ = ["SentinelChannel"]
+
+#: The sentinel transport options, as kombu's ``sentinel://`` transport names them.
+SENTINEL_OPTIONS = ("master_name", "min_other_sentinels", "sentinel_kwargs")
+
+
+class SentinelChannel(Channel):
+    """A channel whose every connection goes to the master the sentinels name."""
+
+    from_transport_options = Channel.from_transport_options + SENTINEL_OPTIONS
+
+    connection_class: Any
+    connection_class_ssl: Any
+    connection_class, connection_class_ssl = sentinel_connection_classes()
+
+    master_name: Any = None
+    min_other_sentinels: Any = 0
+    sentinel_kwargs: Any = None
+
+    def __init__(self, connection: Any, *args: Any, **kwargs: Any) -> None:
+        topts = connection.client.transport_options
+        name = topts.get("master_name")
+        if not isinstance(name, str) or not name:
+            raise InvalidOptionError(
+                "master_name",
+                name,
+                "the name of the master the sentinels monitor (emq+sentinel:// needs it)",
+            )
+        others = topts.get("min_other_sentinels", 0)
+        if isinstance(others, bool) or not isinstance(others, int) or others < 0:
+            raise InvalidOptionError("min_other_sentinels", others, "an integer >= 0")
+        skw = topts.get("sentinel_kwargs")
+        if skw is not None and not isinstance(skw, dict):
+            raise InvalidOptionError("sentinel_kwargs", skw, "a dict of connection arguments")
+        self._sentinels: list[Sentinel] = []
+        super().__init__(connection, *args, **kwargs)
+
+    @property
+    def target(self) -> BrokerTarget:
+        target: BrokerTarget = self.connection.target
+        return target
+
+    def _get_pool(self, asynchronous: bool = False) -> Any:
+        params = self._connparams(asynchronous=asynchronous)
+        self.keyprefix_fanout = self.keyprefix_fanout.format(db=params["db"])
+        return self._master_pool(params)
+
+    def _new_store_client(self) -> Any:
+        """A client for the store on a master-following pool of the channel's own."""
+        params = self._connparams()
+        params["socket_timeout"] = self.store_timeout_s
+        self._store_pool = self._master_pool(params)
+        return redis.Redis(connection_pool=self._store_pool)
+
+    def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
+        """kombu's parameters for one server, with the URL's database and credentials.
+
+        kombu reads the first sentinel URL's path and credentials only; the
+        target read every alternate.
+        """
+        params = super()._connparams(asynchronous)
+        target = self.target
+        params["db"] = target.db
+        if target.username:
+            params["username"] = target.username
+        if target.password:
+            params["password"] = target.password
+        return params
+
+    def _master_pool(self, params: dict[str, Any]) -> Any:
+        """A connection pool to the master named ``master_name``, found through the sentinels."""
+        params = {k: v for k, v in params.items() if k not in ("host", "port")}
+        sentinel = Sentinel(  # type: ignore[no-untyped-call]
+            list(self.target.nodes),
+            min_other_sentinels=int(self.min_other_sentinels or 0),
+            sentinel_kwargs=self.sentinel_kwargs,
+            **params,
+        )
+        self._sentinels.append(sentinel)
+        client = sentinel.master_for(self.master_name, redis.Redis)  # type: ignore[no-untyped-call]
+        return client.connection_pool
+
+    def close(self) -> None:
+        super().close()
+        # The connections to the sentinels themselves; any later use reopens them.
+        for sentinel in self._sentinels:
+            for client in sentinel.sentinels:
+                client.close()
