@@ -62,7 +62,7 @@ class Node:
     def start(self) -> None:
         assert REDIS_SERVER, "no redis-server: put one on PATH or set EMQ_REDIS_SERVER"
         self.dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.dir / "redis.log", "ab")  # noqa: SIM115 - the process keeps it
+        log = open(self.dir / "redis.log", "ab")
         self.proc = subprocess.Popen(
             [
                 REDIS_SERVER,
@@ -82,7 +82,7 @@ class Node:
                 "",
                 "--appendonly",
                 "no",
-            ],  # fmt: skip
+            ],
             stdout=log,
             stderr=subprocess.STDOUT,
         )
@@ -143,7 +143,7 @@ class Cluster:
                 "--cluster-replicas",
                 str(self.replicas),
                 "--cluster-yes",
-            ],  # fmt: skip
+            ],
             check=True,
             capture_output=True,
             timeout=timeout,
