@@ -30,7 +30,8 @@ from typing import Any
 
 import redis
 from kombu.utils.encoding import bytes_to_str
-from redis.cluster import ClusterNode, RedisCluster, key_slot
+from redis.cluster import ClusterNode, RedisCluster
+from redis.crc import key_slot
 
 from .server import ServerCheck, check_server
 from .transport import Channel
@@ -109,7 +110,9 @@ class _WakeClient:
         return WakeConnection(self._channel)
 
     def ping(self) -> Any:
-        return self._channel.store.client.ping()
+        # As kombu's channel does on creation: through its pool on the live
+        # node, which also sets the fanout prefix (from the database number).
+        return self._channel._create_client(asynchronous=True).ping()
 
 
 class _Waker(threading.Thread):
@@ -193,7 +196,7 @@ class ClusterChannel(Channel):
         return RedisCluster(socket_timeout=self._wait_s + 10, **self._cluster_kwargs())
 
     @cached_property
-    def client(self) -> Any:  # type: ignore[override]
+    def client(self) -> Any:
         """Not a Redis client: the wakers' signal, watched by kombu's poller."""
         return _WakeClient(self)
 
@@ -297,11 +300,10 @@ class ClusterChannel(Channel):
                 waker.armed.set()
                 del self._wakers[slot]
         for slot, keys in groups.items():
-            waker = self._wakers.get(slot)
-            if waker is None:
-                waker = self._wakers[slot] = _Waker(self, keys, self._wait_s)
-                waker.start()
-            waker.armed.set()
+            if slot not in self._wakers:
+                self._wakers[slot] = _Waker(self, keys, self._wait_s)
+                self._wakers[slot].start()
+            self._wakers[slot].armed.set()
         self._in_poll = self.client.connection
         self._brpop_sent_at = monotonic()
         if self._popped and self._in_poll is not None:

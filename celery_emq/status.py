@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from redis.cluster import RedisCluster
+
 from .store import JobStore
 
 __all__ = ["queue_status"]
@@ -23,11 +25,18 @@ def queue_status(store: JobStore, queue: str, now_ms: int | None = None) -> dict
     k = store.keys(queue)
     client = store.client
     counts, lanes, heads = store.tally(queue, heads=True)
+    clustered = isinstance(client, RedisCluster)
     with client.pipeline(transaction=False) as pipe:
-        pipe.time()
+        if not clustered:
+            pipe.time()
         pipe.zrange(k.active, 0, SAMPLE - 1)
         pipe.zrange(k.pending, 0, SAMPLE - 1)
-        (secs, micros), active_ids, pending_ids = pipe.execute()
+        *clock, active_ids, pending_ids = pipe.execute()
+    if clustered:
+        # A cluster pipeline carries keyed commands only: the clock of the
+        # master serving the queue (the one its scripts read) is asked apart.
+        clock = [client.get_redis_connection(client.get_node_from_key(k.active)).time()]
+    secs, micros = clock[0]
     now = int(secs) * 1000 + int(micros) // 1000 if now_ms is None else now_ms
     with client.pipeline(transaction=False) as pipe:
         for job_id in active_ids:

@@ -1,0 +1,234 @@
+"""The transport on a Redis Cluster, driven through kombu's Connection/Producer/Consumer."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from kombu import Connection, Consumer, Exchange, Producer, Queue
+from redis.cluster import RedisCluster, key_slot
+
+import celery_emq  # noqa: F401  (registers emq://)
+from celery_emq.cluster import ClusterChannel
+from celery_emq.status import queue_status
+from celery_emq.store import JobStore
+
+from .cluster_servers import Cluster
+
+ConnFactory = Callable[..., Connection]
+
+
+@pytest.fixture
+def connect(redis_cluster: Cluster, cluster_prefix: str) -> Iterator[ConnFactory]:
+    opened: list[Connection] = []
+
+    def factory(**topts: Any) -> Connection:
+        conn = Connection(
+            redis_cluster.url, transport_options={"global_keyprefix": cluster_prefix, **topts}
+        )
+        opened.append(conn)
+        return conn
+
+    yield factory
+    for conn in opened:
+        conn.release()
+
+
+def queue(name: str) -> Queue:
+    return Queue(name, Exchange(name, "direct"), routing_key=name)
+
+
+def spread_names(n: int) -> list[str]:
+    """``n`` queue names whose keys live in ``n`` different slots."""
+    names: list[str] = []
+    slots: set[int] = set()
+    i = 0
+    while len(names) < n:
+        name = f"q{i}"
+        s = key_slot(name.encode())
+        if s not in slots:
+            slots.add(s)
+            names.append(name)
+        i += 1
+    return names
+
+
+def drain(conn: Connection, got: list[Any], n: int, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        try:
+            conn.drain_events(timeout=0.2)
+        except TimeoutError:
+            pass
+
+
+def test_a_cluster_url_runs_the_store_on_redis_cluster(connect: ConnFactory) -> None:
+    channel = connect().channel()
+    assert isinstance(channel, ClusterChannel)
+    assert isinstance(channel.store.client, RedisCluster)
+
+
+def test_queues_in_several_slots_are_consumed_and_acked(
+    connect: ConnFactory, cluster_client: RedisCluster, cluster_prefix: str
+) -> None:
+    names = spread_names(5)
+    queues = [queue(n) for n in names]
+    producer = Producer(connect().channel())
+    for i in range(20):
+        q = queues[i % 5]
+        producer.publish({"i": i}, exchange=q.exchange, routing_key=q.routing_key, declare=[q])
+    conn = connect()
+    got: list[int] = []
+
+    def on_message(body: Any, message: Any) -> None:
+        got.append(body["i"])
+        message.ack()
+
+    with Consumer(conn.channel(), queues, callbacks=[on_message], accept=["json"]):
+        drain(conn, got, 20)
+    assert sorted(got) == list(range(20))
+    store = JobStore(cluster_client, cluster_prefix + "emq", 30_000)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(
+        store.counts(n)["active"] for n in names
+    ):  # acks may be batched
+        time.sleep(0.05)
+    assert [store.counts(n) for n in names] == [
+        {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
+    ] * 5
+    assert sum(store.metrics(n)["completed"] for n in names) == 20
+
+
+#: Commands of the cluster itself (replicas acknowledge their offset every second)
+#: and of the measuring clients.
+_OWN = ("cmdstat_replconf", "cmdstat_info", "cmdstat_config|resetstat", "cmdstat_hello")
+
+
+def _reset(cluster: Cluster) -> None:
+    for node in cluster.nodes:
+        node.client().config_resetstat()
+
+
+def _commands(cluster: Cluster) -> dict[str, int]:
+    """The commands the masters ran since :func:`_reset` (their scripts' calls included)."""
+    calls: dict[str, int] = {}
+    for node in cluster.nodes:
+        if cluster.role(node) != "master":
+            continue  # a replica runs what its master's scripts wrote
+        for name, stat in node.client().info("commandstats").items():
+            if name not in _OWN:
+                command = name[len("cmdstat_") :]
+                calls[command] = calls.get(command, 0) + int(stat["calls"])
+    return calls
+
+
+def test_an_idle_consumer_wakes_in_milliseconds_and_costs_little(
+    connect: ConnFactory, redis_cluster: Cluster
+) -> None:
+    names = spread_names(3)
+    queues = [queue(n) for n in names]
+    producer = Producer(connect().channel())
+    for q in queues:
+        q(producer.channel).declare()
+    conn = connect()
+    latencies: list[float] = []
+
+    def on_message(body: Any, message: Any) -> None:
+        latencies.append((time.time() - body["t"]) * 1000)
+        message.ack()
+
+    with Consumer(conn.channel(), queues, callbacks=[on_message], accept=["json"]):
+        # The consumer settles into its wait, and sweeps once (loading scripts).
+        drain(conn, latencies, 1, timeout=6)
+        # Idle: the consumer waits on three slots; count every command the cluster runs.
+        idle_s = 5.0
+        _reset(redis_cluster)
+        drain(conn, latencies, 1, timeout=idle_s)
+        idle = _commands(redis_cluster)
+        idle_per_s = sum(idle.values()) / idle_s
+
+        def publish() -> None:
+            for i in range(30):
+                time.sleep(0.1)  # the consumer is idle again before each publish
+                q = queues[i % 3]
+                producer.publish({"t": time.time()}, exchange=q.exchange, routing_key=q.routing_key)
+
+        thread = threading.Thread(target=publish)
+        thread.start()
+        drain(conn, latencies, 30, timeout=15)
+        thread.join()
+    p50 = statistics.median(latencies)
+    print(
+        json.dumps(
+            {
+                "cluster_wake_p50_ms": round(p50, 2),
+                "cluster_wake_max_ms": round(max(latencies), 2),
+                "idle_commands_per_s": round(idle_per_s, 2),
+                "idle_brpop_per_s": idle.get("brpop", 0) / idle_s,
+                "idle_evalsha_per_s": idle.get("evalsha", 0) / idle_s,
+                "idle_commands": idle,
+                "queues": 3,
+            }
+        )
+    )
+    assert len(latencies) == 30
+    assert p50 < 20
+    # A blocking wait per slot a second, a scan of the three queues a second
+    # (a script making two calls each), and the sweep of each queue every
+    # sweep_interval_s (5 s).
+    assert idle_per_s < 20
+
+
+def test_fanout_and_an_expiring_reply_queue_work(connect: ConnFactory) -> None:
+    # Celery's remote control: a fanout exchange (PUBLISH/SUBSCRIBE) and a
+    # reply queue declared with x-expires (kombu 5.7 keeps binding deadlines).
+    exchange = Exchange("bcast", "fanout", durable=False)
+    conns = [connect(), connect()]
+    got: list[list[Any]] = [[], []]
+    consumers = []
+    for conn, into in zip(conns, got, strict=True):
+        q = Queue(exchange=exchange, exclusive=True, auto_delete=True)
+        consumers.append(
+            Consumer(
+                conn.channel(),
+                [q],
+                callbacks=[lambda body, m, into=into: into.append(body)],
+                accept=["json"],
+                no_ack=True,
+            )
+        )
+    reply = Queue("reply.x", Exchange("reply", "direct"), routing_key="reply.x", expires=10.0)
+    for c in consumers:
+        c.consume()
+    producer = Producer(connect().channel())
+    for conn in conns:  # each consumer subscribes on its first wait
+        drain(conn, [], 1, timeout=0.3)
+    producer.publish({"ping": 1}, exchange=exchange, declare=[exchange])
+    producer.publish({"pong": 1}, exchange=reply.exchange, routing_key="reply.x", declare=[reply])
+    for conn, into in zip(conns, got, strict=True):
+        drain(conn, into, 1, timeout=5)
+    assert got == [[{"ping": 1}], [{"ping": 1}]]
+    replies: list[Any] = []
+    conn = connect()
+    with Consumer(conn.channel(), [reply], callbacks=[lambda b, m: (replies.append(b), m.ack())]):
+        drain(conn, replies, 1, timeout=5)
+    assert replies == [{"pong": 1}]
+    for c in consumers:
+        c.cancel()
+
+
+def test_queue_status_reads_a_queue_on_the_cluster(
+    cluster_client: RedisCluster, cluster_prefix: str
+) -> None:
+    store = JobStore(cluster_client, cluster_prefix + "emq", 30_000)
+    for i in range(3):
+        store.enqueue("tasks", str(i), "{}", group="g" if i else "")
+    store.claim("tasks", "me", 1)
+    status = queue_status(store, "tasks")
+    assert (status["pending"], status["active"], sum(status["lanes"].values())) == (2, 1, 1)
+    assert status["oldest_lease_age_ms"] is not None
