@@ -33,7 +33,6 @@ from kombu.utils.encoding import bytes_to_str
 from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 
-from .server import ServerCheck, check_server
 from .transport import Channel
 
 __all__ = ["ClusterChannel"]
@@ -231,24 +230,6 @@ class ClusterChannel(Channel):
             return self._node
         raise redis.ConnectionError(f"no node of the cluster answers: {last!r}")
 
-    def _check_server(self) -> None:
-        """Check every master's settings (once per process and cluster)."""
-        key = ("cluster", tuple(self.connection.target.nodes), 0)
-        from .transport import _checked_servers
-
-        if key in _checked_servers:
-            return
-        _checked_servers.add(key)
-        try:
-            checks = [
-                check_server(self.store.client.get_redis_connection(node))
-                for node in self.store.client.get_primaries()
-            ]
-        except Exception as exc:
-            logger.info("celery_emq: could not read the cluster's settings: %r", exc)
-            return
-        _log_checks(checks)
-
     # -- kombu's binding tables: keys, on the cluster client ----------------
 
     def _binding_key(self, exchange: str) -> str:
@@ -364,16 +345,3 @@ class ClusterChannel(Channel):
 
     def _disconnect_store(self) -> None:
         self.store.client.close()
-
-
-def _log_checks(checks: list[ServerCheck]) -> None:
-    seen: set[str] = set()
-    for check in checks:
-        for text in check.warnings:
-            if text not in seen:
-                seen.add(text)
-                logger.warning("celery_emq: %s", text)
-        for text in check.notes:
-            if text not in seen:
-                seen.add(text)
-                logger.info("celery_emq: %s", text)

@@ -232,3 +232,41 @@ def test_queue_status_reads_a_queue_on_the_cluster(
     status = queue_status(store, "tasks")
     assert (status["pending"], status["active"], sum(status["lanes"].values())) == (2, 1, 1)
     assert status["oldest_lease_age_ms"] is not None
+
+
+def test_flower_reads_queue_lengths_on_the_cluster(
+    redis_cluster: Cluster, cluster_client: RedisCluster, cluster_prefix: str
+) -> None:
+    pytest.importorskip("flower")
+    import asyncio
+
+    from flower.utils.broker import Broker
+
+    from celery_emq.flower import register
+
+    assert register()
+    store = JobStore(cluster_client, cluster_prefix + "emq", 30_000)
+    names = spread_names(4)
+    for i, name in enumerate(names):
+        for j in range(i + 1):
+            store.enqueue(name, str(j), "{}", group="g" if j % 2 else "")
+    store.claim(names[3], "me", 1)
+    url = f"emq+cluster://127.0.0.1:{redis_cluster.ports[0]}"
+    broker = Broker(url, broker_options={"global_keyprefix": cluster_prefix})
+    lengths = asyncio.run(broker.queues(names))
+    assert [(q["name"], q["messages_ready"], q["messages_unacknowledged"]) for q in lengths] == [
+        (names[0], 1, 0),
+        (names[1], 2, 0),
+        (names[2], 3, 0),
+        (names[3], 3, 1),
+    ]
+
+
+def test_the_server_check_reads_every_master(cluster_client: RedisCluster) -> None:
+    from celery_emq.server import check_server
+
+    check = check_server(cluster_client)
+    # The test cluster keeps nothing on disk (--save '' --appendonly no).
+    assert check.persistence == "none"
+    assert check.maxmemory_policy == "noeviction"
+    assert len(check.notes) == 1
