@@ -149,6 +149,7 @@ class Cluster:
             timeout=timeout,
         )
         self.wait_ok(timeout)
+        self.wait_synced(timeout)
 
     def wait_ok(self, timeout: float = 60) -> None:
         """Wait until every live node reports ``cluster_state:ok`` and knows its role."""
@@ -191,6 +192,25 @@ class Cluster:
 
     def role(self, node: Node) -> str:
         return str(node.client().info("replication")["role"])
+
+    def replica_of(self, master: Node) -> Node:
+        """A live replica of ``master``."""
+        for node in self.nodes:
+            if node is master or not node.alive:
+                continue
+            info = node.client().info("replication")
+            if info["role"] == "slave" and int(info["master_port"]) == master.port:
+                return node
+        raise LookupError(f"no replica of {master.port}")
+
+    def wait_synced(self, timeout: float = 60) -> None:
+        """Wait until every replica's link to its master is up."""
+
+        def synced(node: Node) -> bool:
+            info = node.client().info("replication")
+            return info["role"] == "master" or info.get("master_link_status") == "up"
+
+        self._wait(synced, timeout, "replicas in sync")
 
     def stop(self) -> None:
         for node in self.nodes:
