@@ -7,6 +7,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ import celery_emq  # noqa: F401  (registers emq://)
 from celery_emq.cluster import ClusterChannel
 from celery_emq.status import queue_status
 from celery_emq.store import JobStore
+from tests.faults.servers import RedisServer
 
 from .cluster_servers import Cluster
 
@@ -127,8 +129,30 @@ def _commands(cluster: Cluster) -> dict[str, int]:
     return calls
 
 
+def _single_server_idle(queues: list[Queue], workdir: Path, idle_s: float) -> dict[str, int]:
+    """The commands a private single server runs for the same idle consumer."""
+    server = RedisServer(workdir)
+    server.start()
+    try:
+        conn = Connection(server.url.replace("redis://", "emq://", 1))
+        with Consumer(conn.channel(), queues, callbacks=[], accept=["json"]):
+            drain(conn, [], 1, timeout=6)
+            client = server.client()
+            client.config_resetstat()
+            drain(conn, [], 1, timeout=idle_s)
+            calls = {
+                name[len("cmdstat_") :]: int(stat["calls"])
+                for name, stat in client.info("commandstats").items()
+                if name not in _OWN
+            }
+        conn.release()
+        return calls
+    finally:
+        server.stop()
+
+
 def test_an_idle_consumer_wakes_in_milliseconds_and_costs_little(
-    connect: ConnFactory, redis_cluster: Cluster
+    connect: ConnFactory, redis_cluster: Cluster, tmp_path: Path
 ) -> None:
     names = spread_names(3)
     queues = [queue(n) for n in names]
@@ -162,6 +186,8 @@ def test_an_idle_consumer_wakes_in_milliseconds_and_costs_little(
         thread.start()
         drain(conn, latencies, 30, timeout=15)
         thread.join()
+    single = _single_server_idle(queues, tmp_path / "single", idle_s)
+    single_per_s = sum(single.values()) / idle_s
     p50 = statistics.median(latencies)
     print(
         json.dumps(
@@ -172,6 +198,8 @@ def test_an_idle_consumer_wakes_in_milliseconds_and_costs_little(
                 "idle_brpop_per_s": idle.get("brpop", 0) / idle_s,
                 "idle_evalsha_per_s": idle.get("evalsha", 0) / idle_s,
                 "idle_commands": idle,
+                "single_server_idle_commands_per_s": round(single_per_s, 2),
+                "single_server_idle_commands": single,
                 "queues": 3,
             }
         )
@@ -180,8 +208,9 @@ def test_an_idle_consumer_wakes_in_milliseconds_and_costs_little(
     assert p50 < 20
     # A blocking wait per slot a second, a scan of the three queues a second
     # (a script making two calls each), and the sweep of each queue every
-    # sweep_interval_s (5 s).
+    # sweep_interval_s (5 s): on a single server, one wait for the three.
     assert idle_per_s < 20
+    assert idle_per_s - single_per_s <= 2 + 1
 
 
 def test_fanout_and_an_expiring_reply_queue_work(connect: ConnFactory) -> None:
