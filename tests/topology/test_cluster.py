@@ -299,3 +299,48 @@ def test_the_server_check_reads_every_master(cluster_client: RedisCluster) -> No
     assert check.persistence == "none"
     assert check.maxmemory_policy == "noeviction"
     assert len(check.notes) == 1
+
+
+def _waits(cluster: Cluster) -> dict[int, int]:
+    """``WAIT`` calls per node since :func:`_reset`."""
+    return {
+        node.port: int(node.client().info("commandstats").get("cmdstat_wait", {}).get("calls", 0))
+        for node in cluster.nodes
+    }
+
+
+def test_wait_replicas_waits_on_the_master_of_each_queue(
+    redis_cluster: Cluster, cluster_client: RedisCluster, cluster_prefix: str
+) -> None:
+    from functools import partial
+
+    from celery_emq.errors import ReplicasUnconfirmedError
+    from celery_emq.scripts import SCRIPT_NAMES, Outcome, script_source
+
+    prefix = cluster_prefix + "emq"
+    store = JobStore(cluster_client, prefix, 30_000, wait_replicas=1, wait_timeout_ms=2000)
+    names = spread_names(6)
+    masters = [redis_cluster.master_of(store.keys(n).pending).port for n in names]
+    assert len(set(masters)) > 1
+    # A master's first call of a script loads it: a round trip (and a WAIT) more.
+    for name in SCRIPT_NAMES:
+        cluster_client.script_load(script_source(name))
+    _reset(redis_cluster)
+    assert [store.enqueue(n, "1", "{}") for n in names] == [Outcome.OK] * 6
+    expected = {port: masters.count(port) for port in masters}
+    assert {p: n for p, n in _waits(redis_cluster).items() if n} == expected
+
+    # One settle batch over queues of several masters: a WAIT on each.
+    claims = {n: store.claim(n, "me", 1)[0] for n in names}
+    _reset(redis_cluster)
+    batch = store.scripts.batch()
+    for n, c in claims.items():
+        batch.ack(store.keys(n), [(c.id, c.deliveries)])
+    batch.execute(confirm=partial(store.confirm_replicas))
+    assert batch.confirmed == 1
+    assert {p: n for p, n in _waits(redis_cluster).items() if n} == {p: 1 for p in set(masters)}
+
+    # Each master has one replica: two cannot confirm.
+    strict = JobStore(cluster_client, prefix, 30_000, wait_replicas=2, wait_timeout_ms=100)
+    with pytest.raises(ReplicasUnconfirmedError):
+        strict.enqueue(names[0], "2", "{}")
