@@ -32,6 +32,7 @@ import redis
 from kombu.utils.encoding import bytes_to_str
 from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
+from redis.exceptions import RedisClusterException
 
 from .transport import Channel
 
@@ -187,12 +188,12 @@ class ClusterChannel(Channel):
 
     def _new_store_client(self) -> Any:
         """A RedisCluster over the URL's seed nodes, for the store."""
-        return RedisCluster(socket_timeout=self.store_timeout_s, **self._cluster_kwargs())
+        return _cluster(socket_timeout=self.store_timeout_s, **self._cluster_kwargs())
 
     @cached_property
     def _wake_client(self) -> RedisCluster:
         """A RedisCluster for the wakers' blocking waits (a socket timeout past the wait)."""
-        return RedisCluster(socket_timeout=self._wait_s + 10, **self._cluster_kwargs())
+        return _cluster(socket_timeout=self._wait_s + 10, **self._cluster_kwargs())
 
     @cached_property
     def client(self) -> Any:
@@ -345,3 +346,11 @@ class ClusterChannel(Channel):
 
     def _disconnect_store(self) -> None:
         self.store.client.close()
+
+
+def _cluster(**kwargs: Any) -> RedisCluster:
+    """A RedisCluster; no seed node answering is a connection error (kombu retries it)."""
+    try:
+        return RedisCluster(**kwargs)
+    except RedisClusterException as exc:
+        raise redis.ConnectionError(str(exc)) from exc

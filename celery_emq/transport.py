@@ -764,6 +764,15 @@ class Transport(kombu_redis.Transport):
 
     Channel = Channel
     driver_name = "emq"
+    # kombu reads these from the class. A cluster in transition (CLUSTERDOWN
+    # while a master fails over, TRYAGAIN while slots move) is a connection
+    # error: Celery reconnects and retries. A single server never answers so.
+    connection_errors = (
+        *kombu_redis.Transport.connection_errors,
+        redis.exceptions.ClusterError,
+        redis.exceptions.TryAgainError,
+        redis.exceptions.SlotNotCoveredError,
+    )
     implements = kombu_redis.Transport.implements.extend(batch_publish=False)
 
     def __init__(self, client: Any, *args: Any, **kwargs: Any) -> None:

@@ -74,3 +74,16 @@ def test_every_script_call_keeps_to_one_slot(
         "enqueue", "promote", "claim", "start", "extend", "release", "bury", "retry",
         "sweep", "reap", "tally", "give_back", "ack", "trim", "purge_dead", "purge",
     }  # fmt: skip
+
+
+def test_a_cluster_in_transition_is_a_connection_error_to_celery() -> None:
+    # CLUSTERDOWN while a master fails over, TRYAGAIN while slots move: Celery
+    # must reconnect and retry, not stop the worker.
+    from kombu import Connection
+    from redis.exceptions import ClusterDownError, MasterDownError, TryAgainError
+
+    import celery_emq  # noqa: F401  (registers emq://)
+
+    errors = Connection("emq+cluster://127.0.0.1:7000/0").connection_errors
+    for error in (ClusterDownError, MasterDownError, TryAgainError):
+        assert issubclass(error, errors)
