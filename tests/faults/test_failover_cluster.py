@@ -6,7 +6,9 @@ steady rate; a third of the way in, the master owning the queue's slot is
 SIGKILLed. The ledger (runs, starts) stays on the suite's Redis, so the fault
 cannot touch what the test counts. Replication is asynchronous: a publish the
 dead master acknowledged but had not yet sent to its replica is lost, and the
-test reports how many were, with the gap and the tasks that ran twice.
+test reports how many were, with the gap and the tasks that ran twice; with
+``wait_replicas`` (a ``WAIT`` on the queue's master after each publish and
+settle) none acknowledged may be lost.
 """
 
 from __future__ import annotations
@@ -44,6 +46,15 @@ def cluster() -> object:
         c.stop()
 
 
+def _replicates(cluster: Cluster, node: object) -> bool:
+    """Whether a restarted node is back as a replica with its link up."""
+    try:
+        info = node.client().info("replication")  # type: ignore[attr-defined]
+    except redis.RedisError:
+        return False
+    return info["role"] == "slave" and info.get("master_link_status") == "up"
+
+
 def starts(client: redis.Redis, prefix: str, tags: list[str]) -> dict[str, list[float]]:
     with client.pipeline(transaction=False) as pipe:
         for tag in tags:
@@ -52,10 +63,20 @@ def starts(client: redis.Redis, prefix: str, tags: list[str]) -> dict[str, list[
     return {t: [float(x) for x in r] for t, r in zip(tags, replies, strict=True)}
 
 
+@pytest.mark.parametrize("wait_replicas", [0, 1], ids=["async", "wait_replicas"])
 def test_a_killed_master_is_replaced_and_the_worker_consumes_again(
-    cluster: Cluster, client: redis.Redis, redis_url: str, prefix: str, tmp_path: Path
+    cluster: Cluster,
+    client: redis.Redis,
+    redis_url: str,
+    prefix: str,
+    tmp_path: Path,
+    wait_replicas: int,
 ) -> None:
+    # With wait_replicas, a publish counts once the replica holds it: the
+    # promoted replica has every acknowledged task.
+    options = {"wait_replicas": wait_replicas, "wait_timeout_ms": 1000} if wait_replicas else {}
     env = {
+        "EMQ_E2E_BROKER_OPTIONS": json.dumps(options),
         "EMQ_E2E_BROKER": cluster.url,
         "EMQ_E2E_REDIS": redis_url,
         "EMQ_E2E_LEDGER": redis_url,
@@ -65,12 +86,19 @@ def test_a_killed_master_is_replaced_and_the_worker_consumes_again(
     worker = Worker(env, tmp_path / "w.log", "w", "-c", "4")
     try:
         worker.wait_ready()
-        capp = client_app(redis_url, prefix, LEASE_MS, ledger=redis_url, broker=cluster.url)
+        capp = client_app(
+            redis_url,
+            prefix,
+            LEASE_MS,
+            ledger=redis_url,
+            broker=cluster.url,
+            broker_options=options,
+        )
         victim = cluster.master_of(f"{prefix}emq:{{celery}}:pending")
         heir = cluster.replica_of(victim)
         published: dict[str, float] = {}
         refused: list[str] = []
-        killed_at = promoted_at = 0.0
+        killed_at = promoted_at = rejoined_at = 0.0
         began = time.monotonic()
         for i in range(TASKS):
             if i == TASKS // 3:
@@ -78,6 +106,11 @@ def test_a_killed_master_is_replaced_and_the_worker_consumes_again(
                 killed_at = time.time()
             if killed_at and not promoted_at and cluster.role(heir) == "master":
                 promoted_at = time.time()
+                # As an operator would: the dead node comes back, as the replica
+                # of its heir (until then, no replica can confirm a WAIT).
+                victim.start()
+            if promoted_at and not rejoined_at and _replicates(cluster, victim):
+                rejoined_at = time.time()
             tag = f"t{i}"
             try:
                 capp.send_task("tests.e2e.app.sleepy_here", args=(0, tag))
@@ -108,10 +141,11 @@ def test_a_killed_master_is_replaced_and_the_worker_consumes_again(
     gap_s = max((b - a for a, b in itertools.pairwise(times) if b >= killed_at), default=0)
     report = {
         "test": "failover_cluster",
-        "wait_replicas": False,
+        "wait_replicas": wait_replicas,
         "published": len(published),
         "refused": len(refused),
         "promoted_after_s": round(promoted_at - killed_at, 2),
+        "rejoined_after_s": round(rejoined_at - killed_at, 2) if rejoined_at else None,
         "resumed_after_promotion_s": None if resumed_s is None else round(resumed_s, 2),
         "gap_s": round(gap_s, 2),
         "lost": len(lost),
@@ -120,6 +154,8 @@ def test_a_killed_master_is_replaced_and_the_worker_consumes_again(
     }
     print(json.dumps(report))
     assert resumed_s is not None and resumed_s < 30, report
+    if wait_replicas:
+        assert not lost, report
 
 
 def test_remote_control_answers_again_once_the_pubsub_node_died(
