@@ -197,3 +197,57 @@ def sentinel(session: nox.Session) -> None:
             },
         )
     session.log(f"sentinel: {time.monotonic() - started:.0f} s")
+
+
+#: The tests run with the broker on a Redis Cluster (results stay on EMQ_TEST_REDIS_URL).
+CLUSTER_TESTS = [
+    "tests/topology/test_slots.py",
+    "tests/transport/test_contract.py",
+    "tests/e2e/test_worker.py",
+    "tests/e2e/test_recovery.py",
+    "tests/e2e/test_cli.py",
+    "tests/e2e/test_edges.py",
+]
+
+
+@nox.session(reuse_venv=True)
+def cluster(session: nox.Session) -> None:
+    """Run the contract and end-to-end tests with the broker on a private Redis Cluster.
+
+    Three masters with one replica each start on free loopback ports
+    (tests/topology/cluster_servers.py) and stop when the session ends. The
+    results stay on ``EMQ_TEST_REDIS_URL``; the tests read the broker's keys
+    through a cluster client (``EMQ_TEST_CLUSTER=1``).
+    """
+    import json
+
+    started = time.monotonic()
+    url = os.environ.get("EMQ_TEST_REDIS_URL")
+    if not url:
+        session.error("set EMQ_TEST_REDIS_URL (the results' Redis)")
+    session.install("-e", ".[test]")
+    out = session.run("python", "-m", "tests.topology.cluster_servers", "start", silent=True)
+    assert isinstance(out, str)
+    started_cluster = json.loads(out.strip().splitlines()[-1])
+    try:
+        session.log(f"cluster broker {started_cluster['url']}")
+        session.run(
+            "python",
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            *CLUSTER_TESTS,
+            *session.posargs,
+            env={
+                "EMQ_TEST_REDIS_URL": url,
+                "EMQ_TEST_BROKER_URL": started_cluster["url"],
+                "EMQ_TEST_CLUSTER": "1",
+            },
+        )
+    finally:
+        session.run(
+            "python", "-m", "tests.topology.cluster_servers", "stop", started_cluster["dir"]
+        )
+    session.log(f"cluster: {time.monotonic() - started:.0f} s")

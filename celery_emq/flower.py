@@ -18,6 +18,7 @@ the first emq:// connection in the process calls it otherwise, which covers
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import gc
 import logging
@@ -61,16 +62,19 @@ def register() -> bool:
             options = EmqOptions.from_transport_options(kwargs.get("broker_options") or {})
             self.key_prefix = options.key_prefix
 
+        async def _tallies(self, tally: Any, keys: list[QueueKeys]) -> list[Any]:
+            async with self.redis.pipeline() as pipe:
+                for k in keys:
+                    await tally(Scripts.tally_keys(k), [0, LANE_PAGE, 0], client=pipe)
+                return list(await pipe.execute())
+
         async def queues(self, names: list[str]) -> list[dict[str, Any]]:
             names = list(names)
             keys = [QueueKeys(self.key_prefix, n) for n in names]
             try:
                 # One tally script call per queue (and per LANE_PAGE lanes), one round trip.
                 tally = self.redis.register_script(script_source("tally"))
-                async with self.redis.pipeline() as pipe:
-                    for k in keys:
-                        await tally(Scripts.tally_keys(k), [0, LANE_PAGE, 0], client=pipe)
-                    replies = await pipe.execute()
+                replies = await self._tallies(tally, keys)
                 out = []
                 for name, k, reply in zip(names, keys, replies, strict=True):
                     counts, page = read_tally(reply)
@@ -128,10 +132,44 @@ def register() -> bool:
                 for client in self._sentinel.sentinels:
                     await _close(client)
 
+    class EmqClusterBroker(EmqQueues, fb.RedisBase):  # type: ignore[misc]
+        """Flower's client for ``emq+cluster://`` and ``emqs+cluster://``.
+
+        Flower hands the first seed node of the URL; the cluster client finds
+        the others.
+        """
+
+        def __init__(self, broker_url: str, *args: Any, **kwargs: Any) -> None:
+            super().__init__(broker_url.split(";", 1)[0], *args, **kwargs)
+            self._emq_init(kwargs)
+            from redis.asyncio.cluster import RedisCluster
+
+            options: dict[str, Any] = {
+                "host": self.host or "localhost",
+                "port": self.port or 6379,
+                "username": self.username,
+                "password": self.password,
+                "socket_connect_timeout": self.socket_connect_timeout,
+                "socket_timeout": self.socket_timeout,
+            }
+            use_ssl = kwargs.get("broker_use_ssl")
+            if urlparse(broker_url).scheme.startswith("emqs") or use_ssl:
+                options["ssl"] = True
+                if isinstance(use_ssl, dict):
+                    options.update(use_ssl)
+            self.redis = RedisCluster(**options)
+
+        async def _tallies(self, tally: Any, keys: list[QueueKeys]) -> list[Any]:
+            # Each queue on the master of its slot, all at once.
+            calls = (tally(Scripts.tally_keys(k), [0, LANE_PAGE, 0]) for k in keys)
+            return list(await asyncio.gather(*calls))
+
     original = fb.Broker.__new__
 
     def __new__(cls: type, broker_url: str, *args: Any, **kwargs: Any) -> Any:
         scheme = urlparse(broker_url).scheme
+        if scheme in ("emq+cluster", "emqs+cluster"):
+            return EmqClusterBroker(broker_url, *args, **kwargs)
         if scheme == "emqs" or (scheme == "emq" and kwargs.get("broker_use_ssl")):
             return EmqsBroker(broker_url, *args, **kwargs)
         if scheme == "emq":

@@ -98,6 +98,13 @@ class QueueKeys:
     def __post_init__(self) -> None:
         if not self.queue:
             raise InvalidQueueNameError("queue name must not be empty")
+        if "{" in self.queue or "}" in self.queue:
+            # The name is the keys' hash tag: a brace in it would split a
+            # queue's keys over several Redis Cluster slots.
+            raise InvalidQueueNameError(
+                f"queue name {self.queue!r} must not contain '{{' or '}}' "
+                "(it is the hash tag of the queue's keys)"
+            )
 
     @cached_property
     def base(self) -> str:

@@ -311,13 +311,16 @@ class LeaseKeeper:
         self.renewals += 1
         if lost:
             with self._lock:
-                self._lost.update(t for t in lost if t in self._held)
-            logger.warning(
-                "celery_emq: %d lease(s) were lost before renewal (the job was "
-                "recovered elsewhere): %s",
-                len(lost),
-                ", ".join(lost[:10]),
-            )
+                # A claim settled while its renewal was on the way is not lost.
+                held = [t for t in lost if t in self._held]
+                self._lost.update(held)
+            if held:
+                logger.warning(
+                    "celery_emq: %d lease(s) were lost before renewal (the job was "
+                    "recovered elsewhere): %s",
+                    len(held),
+                    ", ".join(held[:10]),
+                )
         return lost
 
     def renew_if_overdue(self, now_ms: int | None = None) -> list[str]:

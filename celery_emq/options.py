@@ -126,6 +126,11 @@ class EmqOptions:
         if not isinstance(prefix, str) or not prefix or "{" in prefix or "}" in prefix:
             raise InvalidOptionError("key_prefix", prefix, "a non-empty string without '{' or '}'")
         global_prefix = topts.get("global_keyprefix") or ""
+        if not isinstance(global_prefix, str) or "{" in global_prefix or "}" in global_prefix:
+            # It heads every key: a brace in it would be taken for the hash tag.
+            raise InvalidOptionError(
+                "global_keyprefix", global_prefix, "a string without '{' or '}'"
+            )
         max_stalled = topts.get("max_stalled", cls.max_stalled)
         if max_stalled is not None:
             max_stalled = _int(topts, "max_stalled", 1, 0, 1_000_000)

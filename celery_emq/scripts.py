@@ -12,7 +12,17 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from redis.exceptions import NoScriptError, RedisError
+from redis.cluster import RedisCluster
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    ConnectionError,
+    MovedError,
+    NoScriptError,
+    RedisError,
+    TimeoutError,
+    TryAgainError,
+)
 
 from .errors import ScriptContractError
 from .keys import QueueKeys
@@ -484,6 +494,11 @@ def _enqueue_call(
     return keys, args
 
 
+#: Replies of a call (on a cluster) that did not reach the master of its slot:
+#: it is run again alone through the cluster client, which follows the change.
+_MISSED = (MovedError, AskError, TryAgainError, ClusterDownError, ConnectionError, TimeoutError)
+
+
 class Batch:
     """Script calls on one client sent together: one round trip for the lot.
 
@@ -586,6 +601,10 @@ class Batch:
         self.confirmed = None
         if not self._calls:
             return
+        client = self._scripts._client
+        if isinstance(client, RedisCluster):
+            self._replies = self._execute_by_node(client, confirm)
+            return
         replies = self._send(self._calls, confirm, load=False)
         lost = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if lost:
@@ -601,14 +620,61 @@ class Batch:
                 replies[i] = reply
         self._replies = replies
 
+    def _execute_by_node(
+        self, client: RedisCluster, confirm: Callable[[Any], None] | None
+    ) -> list[Any]:
+        """One pipeline per master, each call to the master of its keys' slot.
+
+        redis-py's cluster pipeline asks the server for the keys of every
+        ``EVALSHA`` (``COMMAND GETKEYS``), a command more per call; and a
+        ``WAIT`` counts the writes of its own connection only, so each master's
+        pipeline carries its own (:attr:`confirmed` is the fewest replicas any
+        confirmed). A call whose slot moved, or whose master did not answer, is
+        run again alone through the cluster client, outside any ``WAIT`` (so
+        counted unconfirmed): every batched transition is safe to repeat (a
+        repeated ack finds nothing).
+        """
+        by_node: dict[str, list[int]] = {}
+        nodes: dict[str, Any] = {}
+        for i, (_name, keys, _args) in enumerate(self._calls):
+            node = client.get_node_from_key(keys[0])  # type: ignore[no-untyped-call]
+            by_node.setdefault(node.name, []).append(i)
+            nodes[node.name] = node
+        replies: list[Any] = [None] * len(self._calls)
+        for name, indices in by_node.items():
+            server = client.get_redis_connection(nodes[name])
+            calls = [self._calls[i] for i in indices]
+            try:
+                out = self._send(calls, confirm, load=False, client=server)
+                lost = [j for j, reply in enumerate(out) if isinstance(reply, NoScriptError)]
+                if lost:
+                    again = self._send([calls[j] for j in lost], confirm, load=True, client=server)
+                    for j, reply in zip(lost, again, strict=True):
+                        out[j] = reply
+            except RedisError as exc:
+                out = [exc] * len(indices)
+            for i, reply in zip(indices, out, strict=True):
+                replies[i] = reply
+        for i, reply in enumerate(replies):
+            if isinstance(reply, _MISSED):
+                name, keys, args = self._calls[i]
+                try:
+                    replies[i] = self._scripts._run(name, keys, args)
+                except RedisError as exc:
+                    replies[i] = exc
+                if confirm is not None:
+                    self.confirmed = 0
+        return replies
+
     def _send(
         self,
         calls: list[tuple[str, list[str], list[Any]]],
         confirm: Callable[[Any], None] | None,
         load: bool,
+        client: Any = None,
     ) -> list[Any]:
         scripts = self._scripts._scripts
-        with self._scripts._client.pipeline(transaction=False) as pipe:
+        with (client or self._scripts._client).pipeline(transaction=False) as pipe:
             for name, keys, args in calls:
                 if load:
                     # EVAL runs the script's text, and caches it for the next EVALSHA.

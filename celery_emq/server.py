@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from redis.cluster import RedisCluster
+
 __all__ = ["ServerCheck", "check_server"]
 
 
@@ -29,7 +31,13 @@ class ServerCheck:
 
 
 def check_server(client: Any) -> ServerCheck:
-    """Read ``INFO`` (and ``CONFIG GET save`` where allowed) and judge them."""
+    """Read ``INFO`` (and ``CONFIG GET save`` where allowed) and judge them.
+
+    On a Redis Cluster, every master is read and the findings merged.
+    """
+    if isinstance(client, RedisCluster):
+        masters = client.get_primaries()  # type: ignore[no-untyped-call]
+        return _merged([check_server(client.get_redis_connection(n)) for n in masters])
     info = client.info()
     policy = str(info.get("maxmemory_policy", "unknown"))
     maxmemory = info.get("maxmemory")
@@ -68,4 +76,16 @@ def check_server(client: Any) -> ServerCheck:
         persistence=persistence,
         warnings=warnings,
         notes=notes,
+    )
+
+
+def _merged(checks: list[ServerCheck]) -> ServerCheck:
+    """One check for several masters: each distinct finding once."""
+    first = checks[0]
+    return ServerCheck(
+        maxmemory=first.maxmemory,
+        maxmemory_policy="/".join(dict.fromkeys(c.maxmemory_policy for c in checks)),
+        persistence="/".join(dict.fromkeys(c.persistence for c in checks)),
+        warnings=list(dict.fromkeys(t for c in checks for t in c.warnings)),
+        notes=list(dict.fromkeys(t for c in checks for t in c.notes)),
     )

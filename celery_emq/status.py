@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from redis.cluster import RedisCluster
+
 from .store import METRICS, JobStore
 
 __all__ = ["queue_status", "queue_statuses"]
@@ -37,15 +39,24 @@ def queue_statuses(
         return []
     client = store.client
     tallies = store.tallies(queues, heads=True)
+    clustered = isinstance(client, RedisCluster)
     with client.pipeline(transaction=False) as pipe:
-        pipe.time()
+        if not clustered:
+            pipe.time()
         for q in queues:
             k = store.keys(q)
             pipe.zrange(k.active, 0, sample - 1)
             pipe.zrange(k.pending, 0, sample - 1)
             for name in METRICS:
                 pipe.hgetall(k.metrics(name))
-        (secs, micros), *replies = pipe.execute()
+        replies = pipe.execute()
+    if clustered:
+        # A cluster pipeline carries keyed commands only: the clock of the
+        # master serving the first queue (the one its scripts read) is asked apart.
+        first = store.keys(queues[0]).active
+        secs, micros = client.get_redis_connection(client.get_node_from_key(first)).time()
+    else:
+        (secs, micros), *replies = replies
     now = int(secs) * 1000 + int(micros) // 1000 if now_ms is None else now_ms
     per_queue = 2 + len(METRICS)
     ids = [(replies[i * per_queue], replies[i * per_queue + 1]) for i in range(len(queues))]

@@ -417,17 +417,33 @@ class Channel(ChannelCompat, kombu_redis.Channel):
 
     def _brpop_read(self, **options: Any) -> bool:
         queue = self._brpop_reply(**options)
+        return self._deliver_woken([] if queue is None else [queue])
+
+    def _deliver_woken(self, woken: list[str]) -> bool:
+        """Claim for each queue whose wake marker was popped; scan the rest when due.
+
+        Raises:
+            Empty: nothing was delivered.
+        """
         delivered = False
-        if queue is not None:
+        for i, queue in enumerate(woken):
+            if queue not in self._active_queues:
+                self._give_back_marker(queue)
+                continue
             self._queue_cycle.rotate(queue)
-            delivered = self._claim_and_deliver(queue, held=1)
+            try:
+                delivered = self._claim_and_deliver(queue, held=1) or delivered
+            except BaseException:
+                for rest in woken[i + 1 :]:
+                    self._give_back_marker(rest)
+                raise
         # A marker can be lost (a consumer killed between its BRPOP and its
         # claim), so look at every queue after a wait timed out, and at least
         # once a scan interval however busy another queue keeps the BRPOP: a
         # stranded job waits at most about one interval. An idle queue costs
         # one EXISTS here, not a claim.
         now = monotonic()
-        if queue is None or now - self._scanned_at >= self._scan_interval_s:
+        if not woken or now - self._scanned_at >= self._scan_interval_s:
             self._scanned_at = now
             for q in self.store.waiting(self.active_queues):
                 if self._claim_and_deliver(q, held=0):
@@ -626,7 +642,11 @@ class Channel(ChannelCompat, kombu_redis.Channel):
         if self._store is not None:
             sweep_thread().unwatch_store(self._store)
             if not keeper().holds(self._store):
-                self._store_pool.disconnect()
+                self._disconnect_store()
+
+    def _disconnect_store(self) -> None:
+        """Close the store's connections (none of its claims is held any longer)."""
+        self._store_pool.disconnect()
 
 
 #: Servers this process has checked (host, port, db): one warning each.
@@ -716,6 +736,10 @@ def _channel_class(target: BrokerTarget) -> type[Channel]:
         from .sentinel import SentinelChannel
 
         return SentinelChannel
+    if target.kind == "cluster":
+        from .cluster import ClusterChannel
+
+        return ClusterChannel
     raise InvalidBrokerURLError(
         f"Redis {target.kind} (emq+{target.kind}://) is not available in this build; "
         f"the forms served are {FORMS}"
@@ -740,6 +764,15 @@ class Transport(kombu_redis.Transport):
 
     Channel = Channel
     driver_name = "emq"
+    # kombu reads these from the class. A cluster in transition (CLUSTERDOWN
+    # while a master fails over, TRYAGAIN while slots move) is a connection
+    # error: Celery reconnects and retries. A single server never answers so.
+    connection_errors = (
+        *kombu_redis.Transport.connection_errors,
+        redis.exceptions.ClusterError,
+        redis.exceptions.TryAgainError,
+        redis.exceptions.SlotNotCoveredError,
+    )
     implements = kombu_redis.Transport.implements.extend(batch_publish=False)
 
     def __init__(self, client: Any, *args: Any, **kwargs: Any) -> None:

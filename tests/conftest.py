@@ -6,6 +6,7 @@ import json
 import os
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -22,6 +23,28 @@ REDIS_URL = os.environ.get("EMQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
 BROKER_URL = os.environ.get("EMQ_TEST_BROKER_URL") or REDIS_URL.replace("redis://", "emq://", 1)
 #: Transport options that URL needs (a JSON object, e.g. ``{"master_name": "m"}``).
 BROKER_OPTIONS: dict[str, object] = json.loads(os.environ.get("EMQ_TEST_BROKER_OPTIONS") or "{}")
+#: "1" when BROKER_URL is a Redis Cluster: the tests read its keys through a cluster client.
+CLUSTER = os.environ.get("EMQ_TEST_CLUSTER") == "1"
+
+
+def broker_client() -> Any:
+    """A client reading the broker's keys: a RedisCluster on a cluster, else on REDIS_URL."""
+    if CLUSTER:
+        from kombu import Connection
+        from redis.cluster import ClusterNode, RedisCluster
+
+        from celery_emq.topology import target_of
+
+        nodes = target_of(Connection(BROKER_URL)).nodes
+        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes])
+    return redis.Redis.from_url(REDIS_URL)
+
+
+def servers_of(client: Any) -> list[redis.Redis]:
+    """A client per server behind ``client``: each node of a cluster, or the one server."""
+    if hasattr(client, "get_nodes"):
+        return [client.get_redis_connection(n) for n in client.get_nodes()]
+    return [client]
 
 
 def delete_prefix(client: redis.Redis, prefix: str) -> None:
@@ -48,11 +71,11 @@ def broker_url() -> str:
 
 @pytest.fixture
 def client() -> Iterator[redis.Redis]:
-    c = redis.Redis.from_url(REDIS_URL)
+    c = broker_client()
     try:
         c.ping()
-    except redis.ConnectionError as exc:  # pragma: no cover - environment
-        pytest.fail(f"no Redis at {REDIS_URL}: {exc}")
+    except redis.RedisError as exc:  # pragma: no cover - environment
+        pytest.fail(f"no Redis at {BROKER_URL if CLUSTER else REDIS_URL}: {exc}")
     yield c
     c.close()
 

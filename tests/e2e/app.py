@@ -88,7 +88,13 @@ _r: redis.Redis | None = None
 def rec() -> redis.Redis:
     global _r
     if _r is None:
-        _r = redis.Redis.from_url(LEDGER)
+        if os.environ.get("EMQ_TEST_CLUSTER") == "1" and not os.environ.get("EMQ_E2E_LEDGER"):
+            # The tests read the ledger with the client that reads the broker's keys.
+            from tests.conftest import broker_client
+
+            _r = broker_client()
+        else:
+            _r = redis.Redis.from_url(LEDGER)
     return _r
 
 

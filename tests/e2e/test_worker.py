@@ -12,6 +12,7 @@ from celery import chain, chord, group
 
 from celery_emq.store import JobStore
 
+from ..conftest import servers_of
 from .harness import Worker, lapsed_leases, suite_app, wait_for
 
 pytestmark = pytest.mark.slow
@@ -183,10 +184,11 @@ def test_broker_reconnect_keeps_running_task_leased_and_acks_it(
     result = capp.send_task("tests.e2e.app.sleepy", args=(8, "survivor"))
     wait_for(lambda: runs(client, prefix).get("survivor") == 1, 10)
     killed = 0
-    for c in client.client_list():
-        if c.get("name") == name:
-            client.client_kill_filter(_id=c["id"])
-            killed += 1
+    for server in servers_of(client):
+        for c in server.client_list():
+            if c.get("name") == name:
+                server.client_kill_filter(_id=c["id"])
+                killed += 1
     assert killed >= 1
     wait_for(lambda: "Connection to broker lost" in w.text(), 10)
     k = store.keys("celery")

@@ -8,6 +8,7 @@ import pytest
 
 from tests.faults.servers import REDIS_SERVER
 
+from .conftest_cluster import cluster_client, cluster_prefix, redis_cluster  # noqa: F401
 from .sentinel_servers import SentinelTopology
 
 

@@ -1,0 +1,356 @@
+"""The channel for a Redis Cluster (``emq+cluster://node:7000/0``).
+
+Three clients, each for what it can do on a cluster:
+
+- the store's :class:`~redis.cluster.RedisCluster` runs every script and keyed
+  command on the node owning the queue's slot (each queue's keys share the
+  hash tag ``{queue}``), following failovers and resharding;
+- a plain client on one live node serves kombu's pub/sub (fanout: remote
+  control, events): a cluster delivers a ``PUBLISH`` on any node to
+  subscribers on every node. kombu's binding tables, which are keys, go
+  through the cluster client;
+- the claims' blocking wait: one ``BRPOP`` over several queues' wake lists is
+  refused (``CROSSSLOT``), so a waker thread per slot blocks on the wake lists
+  of that slot's queues and signals the event loop through a socket pair, which
+  kombu's poller watches in place of the BRPOP connection (see
+  docs/concepts.md, "On a Redis Cluster").
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import select
+import socket
+import threading
+from collections import deque
+from functools import cached_property
+from time import monotonic
+from typing import Any
+
+import redis
+from kombu.utils.encoding import bytes_to_str
+from redis.cluster import ClusterNode, RedisCluster
+from redis.crc import key_slot
+from redis.exceptions import RedisClusterException
+
+from .transport import Channel
+
+__all__ = ["ClusterChannel"]
+
+logger = logging.getLogger(__name__)
+
+#: How long a waker backs off after a failed wait before it waits again.
+RETRY_S = 0.5
+
+
+class WakeConnection:
+    """A socket pair standing in for the BRPOP connection in kombu's poller.
+
+    kombu's poller watches ``channel.client.connection._sock``; the wakers
+    write a byte to the other end when a marker was popped (or a scan is due).
+    """
+
+    def __init__(self, channel: ClusterChannel) -> None:
+        self._channel = channel
+        self._sock: socket.socket | None = None
+        self._writer: socket.socket | None = None
+        self._lock = threading.Lock()
+
+    def connect(self) -> None:
+        with self._lock:
+            if self._sock is None:
+                self._sock, self._writer = socket.socketpair()
+                self._writer.setblocking(False)
+
+    def signal(self) -> None:
+        """Make the poller see the channel readable (from any thread)."""
+        with self._lock:
+            if self._writer is not None:
+                try:
+                    self._writer.send(b"x")
+                except BlockingIOError:
+                    pass  # already readable: the loop will read every popped marker
+
+    def drain(self) -> None:
+        """Read every signal byte, so the socket is quiet until the next signal."""
+        sock = self._sock
+        if sock is None:
+            return
+        while select.select([sock], [], [], 0)[0]:
+            try:
+                if not sock.recv(4096):
+                    return
+            except OSError:
+                return
+
+    def can_read(self, timeout: float = 0) -> bool:
+        sock = self._sock
+        return bool(sock is not None and select.select([sock], [], [], timeout)[0])
+
+    def disconnect(self, *args: Any, **kwargs: Any) -> None:
+        with self._lock:
+            sock, writer, self._sock, self._writer = self._sock, self._writer, None, None
+        for s in (sock, writer):
+            if s is not None:
+                s.close()
+        if sock is not None and self._channel._registered:
+            self._channel._on_connection_disconnect(self)
+
+
+class _WakeClient:
+    """What kombu's poller and Channel use of ``channel.client`` on a cluster."""
+
+    def __init__(self, channel: ClusterChannel) -> None:
+        self._channel = channel
+        self.connection: WakeConnection | None = None
+        self.connection_pool = self
+
+    def get_connection(self, *args: Any, **kwargs: Any) -> WakeConnection:
+        return WakeConnection(self._channel)
+
+    def ping(self) -> Any:
+        # As kombu's channel does on creation: through its pool on the live
+        # node, which also sets the fanout prefix (from the database number).
+        return self._channel._create_client(asynchronous=True).ping()
+
+
+class _Waker(threading.Thread):
+    """Blocks on the wake lists of one slot's queues; reports each popped marker."""
+
+    def __init__(self, channel: ClusterChannel, queues: dict[str, str], timeout_s: int) -> None:
+        super().__init__(name=f"emq-waker-{next(iter(queues.values()))}", daemon=True)
+        #: wake key -> queue
+        self.queues = queues
+        self._channel = channel
+        self._timeout_s = timeout_s
+        self.armed = threading.Event()
+        self.stopped = False
+
+    def run(self) -> None:
+        keys = list(self.queues)
+        client = self._channel._wake_client
+        while not self.stopped:
+            if not self.armed.wait(self._timeout_s):
+                continue
+            if self.stopped:
+                break
+            try:
+                reply = client.brpop(keys, timeout=self._timeout_s)
+            except Exception as exc:
+                logger.debug("celery_emq: waiting on %s failed: %r", keys, exc)
+                self._channel._tick()
+                threading.Event().wait(RETRY_S)
+                continue
+            if reply is None:
+                self._channel._tick()
+                continue
+            queue = self.queues[bytes_to_str(reply[0])]
+            if self.stopped:
+                # The channel no longer waits on this queue: another consumer may.
+                self._channel._give_back_marker(queue)
+                break
+            # One marker popped: wait to be armed again once the loop claimed.
+            self.armed.clear()
+            self._channel._woke(queue)
+
+
+class ClusterChannel(Channel):
+    """A channel whose store and claims run on a Redis Cluster."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._wakers: dict[int, _Waker] = {}
+        self._popped: deque[str] = deque()
+        self._ticked_at = monotonic()
+        self._node: tuple[str, int] | None = None
+        super().__init__(*args, **kwargs)
+
+    # -- clients ---------------------------------------------------------
+
+    def _cluster_kwargs(self) -> dict[str, Any]:
+        target = self.connection.target
+        conninfo = self.connection.client
+        kwargs: dict[str, Any] = {
+            "startup_nodes": [ClusterNode(host, port) for host, port in target.nodes],
+            "username": target.username,
+            "password": target.password,
+            "socket_connect_timeout": self.socket_connect_timeout,
+            "socket_keepalive": self.socket_keepalive,
+            "socket_keepalive_options": self.socket_keepalive_options,
+        }
+        if self.client_name is not None:
+            kwargs["client_name"] = self.client_name
+        if target.tls or conninfo.ssl:
+            kwargs["ssl"] = True
+            if isinstance(conninfo.ssl, dict):
+                kwargs.update(conninfo.ssl)
+        return kwargs
+
+    def _new_store_client(self) -> Any:
+        """A RedisCluster over the URL's seed nodes, for the store."""
+        return _cluster(socket_timeout=self.store_timeout_s, **self._cluster_kwargs())
+
+    @cached_property
+    def _wake_client(self) -> RedisCluster:
+        """A RedisCluster for the wakers' blocking waits (a socket timeout past the wait)."""
+        return _cluster(socket_timeout=self._wait_s + 10, **self._cluster_kwargs())
+
+    @cached_property
+    def client(self) -> Any:
+        """Not a Redis client: the wakers' signal, watched by kombu's poller."""
+        return _WakeClient(self)
+
+    def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
+        """kombu's parameters, pointed at one live node (for pub/sub and publishing)."""
+        params = super()._connparams(asynchronous)
+        target = self.connection.target
+        host, port = self._live_node()
+        params.pop("path", None)
+        params.update(host=host, port=port, db=0)
+        params["username"] = target.username
+        params["password"] = target.password
+        if params.get("connection_class") is redis.UnixDomainSocketConnection:
+            params["connection_class"] = self.connection_class
+        return params
+
+    def _live_node(self) -> tuple[str, int]:
+        """A node of the cluster that answers now, picked at random (spreads pub/sub)."""
+        if self._node is not None:
+            return self._node
+        cluster = self.store.client
+        nodes = list(cluster.get_nodes())
+        random.shuffle(nodes)
+        last: Exception | None = None
+        for node in nodes:
+            try:
+                cluster.get_redis_connection(node).ping()
+            except redis.RedisError as exc:
+                last = exc
+                continue
+            self._node = (node.host, int(node.port))
+            return self._node
+        raise redis.ConnectionError(f"no node of the cluster answers: {last!r}")
+
+    # -- kombu's binding tables: keys, on the cluster client ----------------
+
+    def _binding_key(self, exchange: str) -> str:
+        return self.global_keyprefix + self.keyprefix_queue % (exchange,)
+
+    def _queue_bind(self, exchange: str, routing_key: str, pattern: str, queue: str) -> None:
+        # kombu 5.7 also keeps binding deadlines for x-expires queues, in a
+        # script over keys of several slots: here the table is a plain set.
+        if self.typeof(exchange).type == "fanout":
+            self._fanout_queues[queue] = (exchange, routing_key.replace("#", "*"))
+        member = self.sep.join([routing_key or "", pattern or "", queue or ""])
+        self.store.client.sadd(self._binding_key(exchange), member)
+
+    def get_table(self, exchange: str) -> list[tuple[str, ...]]:
+        values = self.store.client.smembers(self._binding_key(exchange))
+        return [tuple(bytes_to_str(v).split(self.sep)) for v in values]
+
+    def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
+        self.auto_delete_queues.discard(queue)
+        if len(args) >= 3:
+            exchange, routing_key, pattern = args[:3]
+            member = self.sep.join([routing_key or "", pattern or "", queue or ""])
+            self.store.client.srem(self._binding_key(exchange), member)
+        self.store.purge(queue)
+
+    def maybe_refresh_binding_expiry(self) -> None:
+        """Nothing to refresh: tables on a cluster carry no deadline."""
+
+    def sweep_bindings(self, limit: int = 100) -> int:
+        return 0
+
+    # -- claims: a waker per slot --------------------------------------------
+
+    @property
+    def _wait_s(self) -> int:
+        return max(1, int(self.brpop_timeout or 1))
+
+    def _brpop_start(self, timeout: float | None = None) -> None:
+        queues = self.active_queues
+        if not queues:
+            return
+        groups: dict[int, dict[str, str]] = {}
+        for q in queues:
+            key = self.store.keys(q).wake
+            groups.setdefault(key_slot(key.encode()), {})[key] = q
+        for slot, waker in list(self._wakers.items()):
+            if groups.get(slot) != waker.queues:
+                waker.stopped = True
+                waker.armed.set()
+                del self._wakers[slot]
+        for slot, keys in groups.items():
+            if slot not in self._wakers:
+                self._wakers[slot] = _Waker(self, keys, self._wait_s)
+                self._wakers[slot].start()
+            self._wakers[slot].armed.set()
+        self._in_poll = self.client.connection
+        self._brpop_sent_at = monotonic()
+        if self._popped and self._in_poll is not None:
+            # Popped while the signal's socket was down: signal again.
+            self._in_poll.signal()
+
+    def _woke(self, queue: str) -> None:
+        """A waker popped ``queue``'s marker (called from its thread)."""
+        self._popped.append(queue)
+        connection = self.client.connection
+        if connection is not None:
+            connection.signal()
+
+    def _tick(self) -> None:
+        """A wait timed out: wake the loop for a scan, at most once a scan interval."""
+        now = monotonic()
+        if now - self._ticked_at >= self._scan_interval_s:
+            self._ticked_at = now
+            connection = self.client.connection
+            if connection is not None:
+                connection.signal()
+
+    def _take_popped(self) -> list[str]:
+        connection = self.client.connection
+        if connection is not None:
+            connection.drain()
+        popped = []
+        while self._popped:
+            popped.append(self._popped.popleft())
+        return popped
+
+    def _brpop_read(self, **options: Any) -> bool:
+        self._in_poll = None
+        return self._deliver_woken(self._take_popped())
+
+    def _poll_error(self, type: str, **options: Any) -> None:
+        if type == "BRPOP":
+            if self.client.connection is not None:
+                self.client.connection.disconnect()
+            return
+        super()._poll_error(type, **options)
+
+    def close(self) -> None:
+        for waker in self._wakers.values():
+            waker.stopped = True
+            waker.armed.set()
+        self._wakers.clear()
+        self._in_poll = None
+        for queue in self._take_popped():
+            try:
+                self._give_back_marker(queue)
+            except Exception:
+                # The scan of other consumers finds the job within an interval.
+                logger.debug("celery_emq: could not give back a marker of %s", queue)
+        super().close()
+        if "_wake_client" in self.__dict__:
+            self._wake_client.close()
+
+    def _disconnect_store(self) -> None:
+        self.store.client.close()
+
+
+def _cluster(**kwargs: Any) -> RedisCluster:
+    """A RedisCluster; no seed node answering is a connection error (kombu retries it)."""
+    try:
+        return RedisCluster(**kwargs)
+    except RedisClusterException as exc:
+        raise redis.ConnectionError(str(exc)) from exc
