@@ -226,3 +226,53 @@ def test_flower_reads_queue_lengths_over_tls(
         (names[0], 1, 0),
         (names[1], 1, 1),
     ]
+
+
+@pytest.mark.parametrize("scheme", ["emqs+cluster", "emq+cluster"])
+def test_broker_use_ssl_true_puts_every_connection_on_tls(
+    tls_cluster: Cluster, prefix: str, scheme: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ssl=True (Celery's broker_use_ssl=True): verify against the default CAs,
+    # which OpenSSL reads from SSL_CERT_FILE. The store, the wakers and the
+    # pub/sub node's connections must all speak TLS.
+    monkeypatch.setenv("SSL_CERT_FILE", str(tls_cluster.ca))
+    url = tls_cluster.url.replace("emqs+cluster://", f"{scheme}://")
+    exchange = Exchange("bcast", "fanout", durable=False)
+    direct = queue(names_on_masters(tls_cluster, prefix, 1)[0])
+    conn = Connection(
+        url,
+        ssl=True,
+        connect_timeout=2,
+        transport_options={"global_keyprefix": prefix, "socket_timeout": 2},
+    )
+    got: list[Any] = []
+    try:
+        consumer = Consumer(
+            conn.channel(),
+            [Queue(exchange=exchange, exclusive=True, auto_delete=True), direct],
+            callbacks=[lambda body, m: (got.append(body), m.ack())],
+            accept=["json"],
+        )
+        consumer.consume()
+        try:
+            conn.drain_events(timeout=0.3)  # subscribes to the fanout
+        except TimeoutError:
+            pass
+        producer = Producer(conn.channel())
+        producer.publish({"to": "all"}, exchange=exchange, declare=[exchange])
+        producer.publish(
+            {"to": "one"},
+            exchange=direct.exchange,
+            routing_key=direct.routing_key,
+            declare=[direct],
+        )
+        deadline = time.monotonic() + 10
+        while len(got) < 2 and time.monotonic() < deadline:
+            try:
+                conn.drain_events(timeout=0.2)
+            except TimeoutError:
+                pass
+        consumer.cancel()
+    finally:
+        conn.release()
+    assert sorted(got, key=str) == [{"to": "all"}, {"to": "one"}]
