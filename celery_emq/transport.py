@@ -178,7 +178,10 @@ class Channel(ChannelCompat, kombu_redis.Channel):
         self.emq = EmqOptions.from_transport_options(topts)
         # The target, not the scheme: after a switch to the next alternate of
         # an emqs+sentinel:// URL, kombu names the transport "emqs+sentinel".
-        if connection.target.tls and not connection.client.ssl:
+        # kombu applies ssl only when it is a dict of options: ssl=True (Celery's
+        # broker_use_ssl=True) would leave its connections in plaintext, while
+        # the cluster's and Flower's clients take it for TLS.
+        if connection.target.tls or connection.client.ssl:
             self.connection_class = self.connection_class_ssl
         self._no_ack: dict[str, bool] = {}
         self._accept: dict[str, Any] = {}

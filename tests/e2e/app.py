@@ -4,7 +4,8 @@ Configured from the environment so each test gets its own key prefix and lease:
 ``EMQ_E2E_REDIS`` (a ``redis://`` URL), ``EMQ_E2E_PREFIX``, ``EMQ_E2E_LEASE_MS``;
 ``EMQ_E2E_BROKER`` (default: ``EMQ_E2E_REDIS`` through ``emq://``) and
 ``EMQ_E2E_BROKER_OPTIONS`` (JSON transport options it needs) name the broker
-when it is reached another way (``emq+sentinel://``).
+when it is reached another way (``emq+sentinel://``); ``EMQ_E2E_BROKER_SSL``
+(JSON) is its ``broker_use_ssl``.
 Tasks record every run in Redis under the prefix so tests can count them: in the
 broker's Redis, or in ``EMQ_E2E_LEDGER`` (which also holds the results) when a
 fault test takes the broker's Redis down.
@@ -32,6 +33,7 @@ LEASE_MS = int(os.environ.get("EMQ_E2E_LEASE_MS", "30000"))
 LEDGER = os.environ.get("EMQ_E2E_LEDGER") or REDIS
 BROKER = os.environ.get("EMQ_E2E_BROKER") or None
 BROKER_OPTIONS: dict[str, Any] = json.loads(os.environ.get("EMQ_E2E_BROKER_OPTIONS") or "{}")
+BROKER_SSL: dict[str, Any] | None = json.loads(os.environ.get("EMQ_E2E_BROKER_SSL") or "null")
 
 
 def make_conf(
@@ -79,6 +81,8 @@ def client_app(
 
 app = Celery("e2e")
 app.conf.update(make_conf(REDIS, PREFIX, LEASE_MS, LEDGER, BROKER, BROKER_OPTIONS))
+if BROKER_SSL is not None:
+    app.conf.broker_use_ssl = BROKER_SSL
 if os.environ.get("EMQ_E2E_BEAT_S"):
     celery_emq.schedule_sweep(app, every_s=float(os.environ["EMQ_E2E_BEAT_S"]))
 

@@ -143,6 +143,25 @@ def test_emqs_roundtrip_with_verified_certificate(tls_redis: tuple[int, Path]) -
     assert got == ["over tls"]
 
 
+@pytest.mark.parametrize("scheme", ["emqs", "emq"])
+def test_ssl_true_speaks_tls(
+    tls_redis: tuple[int, Path], scheme: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ssl=True (Celery's broker_use_ssl=True) verifies against the default CAs,
+    # which OpenSSL reads from SSL_CERT_FILE.
+    port, ca = tls_redis
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca))
+    q = Queue("tlsq-true", Exchange("tlsq-true", "direct"), "tlsq-true")
+    got: list[str] = []
+    with Connection(f"{scheme}://127.0.0.1:{port}/0", ssl=True, connect_timeout=2) as conn:
+        Producer(conn.channel()).publish(
+            "over tls", exchange=q.exchange, routing_key=q.routing_key, declare=[q]
+        )
+        with Consumer(conn.channel(), [q], callbacks=[lambda b, m: (got.append(b), m.ack())]):
+            conn.drain_events(timeout=5)
+    assert got == ["over tls"]
+
+
 def test_emqs_refuses_an_unverified_server(tls_redis: tuple[int, Path]) -> None:
     port, _ca = tls_redis
     # No CA given: the default is to verify, and the test CA is unknown to the system.
