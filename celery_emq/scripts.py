@@ -19,6 +19,7 @@ from redis.exceptions import (
     ConnectionError,
     MovedError,
     NoScriptError,
+    RedisClusterException,
     RedisError,
     TimeoutError,
     TryAgainError,
@@ -182,6 +183,10 @@ class Scripts:
         try:
             # The common case in one call: the script is already loaded.
             return self._client.evalsha(script.sha, len(keys), *keys, *args)
+        except RedisClusterException as exc:
+            # No node of a cluster answers (or none serves the slot): not a
+            # RedisError, but the same as a connection that failed.
+            raise ConnectionError(f"Redis Cluster: {exc}") from exc
         except NoScriptError:
             # Loads it (after a restart or SCRIPT FLUSH) and runs it again.
             return script(keys=list(keys), args=list(args), client=self._client)
@@ -603,7 +608,10 @@ class Batch:
             return
         client = self._scripts._client
         if isinstance(client, RedisCluster):
-            self._replies = self._execute_by_node(client, confirm)
+            try:
+                self._replies = self._execute_by_node(client, confirm)
+            except RedisClusterException as exc:
+                raise ConnectionError(f"Redis Cluster: {exc}") from exc
             return
         replies = self._send(self._calls, confirm, load=False)
         lost = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]

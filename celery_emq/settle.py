@@ -160,7 +160,9 @@ class SettleBatcher:
                 confirm = partial(store.confirm_replicas, queue=queue)
             try:
                 entry.batch.execute(confirm=confirm)
-            except redis.RedisError as exc:
+            except Exception as exc:
+                # Whatever failed (a RedisError, or a cluster client's own
+                # exception), these acks are owed, never dropped.
                 for queue, claims, _ in entry.acks:
                     _owe(queue, claims, exc)
                 for claim, _ in entry.starts:

@@ -774,7 +774,8 @@ class Transport(kombu_redis.Transport):
         *kombu_redis.Transport.connection_errors,
         redis.exceptions.ClusterError,
         redis.exceptions.TryAgainError,
-        redis.exceptions.SlotNotCoveredError,
+        # No node of a cluster answers, or none serves a slot (SlotNotCoveredError).
+        redis.exceptions.RedisClusterException,
     )
     implements = kombu_redis.Transport.implements.extend(batch_publish=False)
 

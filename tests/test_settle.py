@@ -283,3 +283,38 @@ def test_an_ack_queued_while_another_thread_flushes_is_not_lost(store: JobStore)
     assert b.queued() == 1
     b.flush()
     assert store.job("q", "a") == {}
+
+
+def test_an_ack_whose_cluster_cannot_be_reached_is_owed(
+    owed_to: LeaseKeeper, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A cluster no node of which answers raises redis-py's RedisClusterException,
+    # which is no RedisError: the acks must be owed, not dropped.
+    down = JobStore(redis.Redis(port=1), prefix + "emq", lease_ms=5000)
+
+    def unreachable(self: Batch, confirm: Any = None) -> None:
+        raise redis.exceptions.RedisClusterException("Redis Cluster cannot be connected")
+
+    monkeypatch.setattr(Batch, "execute", unreachable)
+    b = deferring(60_000)
+    claims = [Claim(down, "q", "a", 1)]
+    b.ack(claims)
+    b.flush()
+    assert owed_to.owed_count() == 1 and owed_to.get("a#1") == claims[0]
+
+
+def test_a_cluster_that_cannot_be_reached_is_a_connection_error() -> None:
+    from celery_emq.scripts import Scripts
+
+    class Unreachable:
+        def register_script(self, source: str) -> Any:
+            return type("S", (), {"sha": "x"})()
+
+        def evalsha(self, *args: Any) -> Any:
+            raise redis.exceptions.RedisClusterException("Redis Cluster cannot be connected")
+
+    with pytest.raises(redis.ConnectionError, match="cannot be connected"):
+        Scripts(Unreachable())._run("ack", ["k"], [])
+    from celery_emq.transport import Transport
+
+    assert issubclass(redis.exceptions.RedisClusterException, Transport.connection_errors)
