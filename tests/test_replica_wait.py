@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -186,3 +188,33 @@ def test_a_lost_script_is_run_again_and_its_write_confirmed_too(
     # The first round trip's WAIT, then the one after the write that ran.
     assert waits(client) == before + 2
     assert own.counts("q")["pending"] == 1
+
+
+def test_a_duplicate_publish_is_confirmed_by_a_write_of_its_own(topo: SentinelTopology) -> None:
+    # A retried publish finds its job already stored and would write nothing;
+    # WAIT counts the replicas holding this connection's writes, so on a
+    # connection that wrote nothing it counts every replica at once, whether or
+    # not the job reached them. With the replica frozen, the first publish is
+    # unconfirmed, and the same publish again, on a new connection, must be too.
+    prefix = f"t{uuid.uuid4().hex[:10]}:"
+    master = redis.Redis.from_url(topo.master_url(2))
+    retry = redis.Redis.from_url(topo.master_url(2))
+    assert topo.replica.proc is not None
+    pid = topo.replica.proc.pid
+    try:
+        first = JobStore(master, prefix + "emq", 30_000, wait_replicas=1, wait_timeout_ms=300)
+        again = JobStore(retry, prefix + "emq", 30_000, wait_replicas=1, wait_timeout_ms=300)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(ReplicasUnconfirmedError):
+                first.enqueue("q", "j1", "{}")
+            with pytest.raises(ReplicasUnconfirmedError):
+                again.enqueue("q", "j1", "{}")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert first.counts("q")["pending"] == 1
+    finally:
+        for key in master.scan_iter(prefix + "*"):
+            master.delete(key)
+        master.close()
+        retry.close()
