@@ -230,10 +230,16 @@ class Channel(ChannelCompat, kombu_redis.Channel):
         """The store's socket timeout: one renewal interval, from 1 to 5 s.
 
         A renewal stuck on a dead connection must fail in time for the keeper
-        to retry on a fresh one before the lease lapses.
+        to retry on a fresh one before the lease lapses. With ``wait_replicas``
+        it is at least ``wait_timeout_ms`` + 0.5 s, so a ``WAIT`` can run out.
         """
         bound = max(1.0, min(5.0, self.emq.renew_interval_ms / 1000))
-        return min(float(self.socket_timeout), bound) if self.socket_timeout else bound
+        timeout = min(float(self.socket_timeout), bound) if self.socket_timeout else bound
+        if self.emq.wait_replicas:
+            # A publish or settle may block in WAIT for wait_timeout_ms: its
+            # reply must not be cut off (it would read as a failed write).
+            timeout = max(timeout, self.emq.wait_timeout_ms / 1000 + 0.5)
+        return timeout
 
     @property
     def sweeper(self) -> Sweeper:

@@ -218,3 +218,27 @@ def test_a_duplicate_publish_is_confirmed_by_a_write_of_its_own(topo: SentinelTo
             master.delete(key)
         master.close()
         retry.close()
+
+
+def test_the_store_waits_long_enough_for_a_whole_wait(redis_url: str, prefix: str) -> None:
+    # A WAIT may block wait_timeout_ms: the store's socket must not time out
+    # first (the reply would be lost and the publish retried as a failure).
+    c = Connection(
+        redis_url.replace("redis://", "emq://", 1),
+        transport_options={
+            "global_keyprefix": prefix,
+            "lease_ms": 3000,
+            "wait_replicas": 1,
+            "wait_timeout_ms": 2000,
+        },
+    )
+    try:
+        assert c.default_channel.store_timeout_s >= 2.5
+        plain = Connection(c.as_uri(), transport_options={"lease_ms": 3000})
+        try:
+            # Without replica waits, a renewal stuck on a dead link fails fast.
+            assert plain.default_channel.store_timeout_s == 1.0
+        finally:
+            plain.release()
+    finally:
+        c.release()
