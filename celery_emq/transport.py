@@ -345,12 +345,25 @@ class Channel(ChannelCompat, kombu_redis.Channel):
             raise
         if outcome is Outcome.DUPLICATE:
             logger.debug("celery_emq: job %s already in %s; publish ignored", job_id, queue)
-        if ttl_ms:
-            self._note_expiring(queue, ttl_ms)
-        elif "task" in headers:
-            # A Celery task message: its queue holds work to recover and to
-            # show. Replies (remote control, rpc:// results) carry no task.
-            self._register(queue)
+        # The job is stored: the publish has succeeded. Recording the queue
+        # (kept apart; on a cluster, on another master) is tried again on the
+        # next publish or consume if it fails now, and must not make a stored
+        # publish look failed (it would be sent again under a new job id).
+        try:
+            if ttl_ms:
+                self._note_expiring(queue, ttl_ms)
+            elif "task" in headers:
+                # A Celery task message: its queue holds work to recover and to
+                # show. Replies (remote control, rpc:// results) carry no task.
+                self._register(queue)
+        except Exception as exc:
+            logger.warning(
+                "celery_emq: published job %s to %s, but could not record the queue "
+                "in the registry (tried again on the next publish): %r",
+                job_id,
+                queue,
+                exc,
+            )
 
     # -- consuming -------------------------------------------------------
 

@@ -242,3 +242,32 @@ def test_the_store_waits_long_enough_for_a_whole_wait(redis_url: str, prefix: st
             plain.release()
     finally:
         c.release()
+
+
+def test_a_stored_publish_is_not_reported_failed_by_the_registry(
+    redis_url: str, prefix: str, store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The queue registry lives apart (on a cluster, on another master). A
+    # publish whose job is stored succeeds even if recording the queue there
+    # fails: reported failed, it would be published again under a new job id.
+    c = Connection(
+        redis_url.replace("redis://", "emq://", 1), transport_options={"global_keyprefix": prefix}
+    )
+    try:
+        channel = c.default_channel
+
+        def down(queue: str) -> None:
+            raise redis.ConnectionError("the registry's master is failing over")
+
+        monkeypatch.setattr(channel.store, "register", down)
+        Producer(c).publish(
+            {"n": 1},
+            exchange="q",
+            routing_key="q",
+            declare=[q()],
+            serializer="json",
+            headers={"task": "proj.t", "id": "t1"},  # a task message: its queue is registered
+        )
+        assert store.counts("q")["pending"] == 1
+    finally:
+        c.release()
