@@ -206,11 +206,13 @@ def test_an_idle_consumer_wakes_in_milliseconds_and_costs_little(
     )
     assert len(latencies) == 30
     assert p50 < 20
-    # A blocking wait per slot a second, a scan of the three queues a second
-    # (a script making two calls each), and the sweep of each queue every
-    # sweep_interval_s (5 s): on a single server, one wait for the three.
-    assert idle_per_s < 20
-    assert idle_per_s - single_per_s <= 2 + 1
+    # A blocking wait per slot a second where a single server has one wait for
+    # the three; the scan and the sweeps are the same on both. (Their rate is
+    # the process's: an earlier test in the process may have set a shorter
+    # sweep interval, so the cost is judged against the single server's,
+    # measured here in the same process.)
+    assert idle.get("brpop", 0) / idle_s <= 3 + 0.5
+    assert idle_per_s <= single_per_s * 1.15 + 2 + 1
 
 
 def test_fanout_and_an_expiring_reply_queue_work(connect: ConnFactory) -> None:
