@@ -312,3 +312,41 @@ def test_scripts_forgotten_in_a_batch_lose_none_of_its_messages(
     server.close()
     old.close()
     new.close()
+
+
+@pytest.mark.slow
+def test_a_cluster_target_whose_nodes_never_loaded_the_scripts(
+    old_app: Celery, redis_url: str, old_prefix: str, prefix: str, client: redis.Redis
+) -> None:
+    from redis.cluster import ClusterNode, RedisCluster
+
+    from tests.topology.cluster_servers import Cluster
+
+    cluster = Cluster(masters=3, replicas=0)
+    try:
+        cluster.start()
+        nodes = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", p) for p in cluster.ports])
+        new = Celery("new", set_as_current=False)
+        new.conf.update(
+            broker_url=cluster.url, broker_transport_options={"global_keyprefix": prefix}
+        )
+        publish(old_app, BATCH + 20)
+        publish(old_app, 30, queue="emails")
+        source = ["--from", redis_url, "--from-keyprefix", old_prefix]
+        report = migrate(new, *source, "--queue", "celery", "--queue", "emails")
+        assert {q: c["moved"] for q, c in report["queues"].items()} == {
+            "celery": BATCH + 20, "emails": 30,
+        }  # fmt: skip
+        assert old_lists(client, old_prefix) == old_lists(client, old_prefix, "emails") == 0
+        assert moved(migrate(new, *source, "--queue", "celery", "--queue", "emails")) == 0
+        with Connection(
+            new.conf.broker_url, transport_options=new.conf.broker_transport_options
+        ) as c:
+            store = c.default_channel.store
+            assert isinstance(store.client, RedisCluster)
+            assert store.counts("celery")["pending"] == BATCH + 20
+            assert store.counts("emails")["pending"] == 30
+        nodes.close()
+        new.close()
+    finally:
+        cluster.stop()
