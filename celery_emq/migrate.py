@@ -12,15 +12,23 @@ Crash-safe order, per batch of one list:
 1. ``RPOPLPUSH`` each message from the queue's list into a staging list of the
    migration's own (``<queue>\\x06\\x16emq.migrating``): atomic on the source, so
    an old worker still consuming cannot take a message being moved;
-2. enqueue the batch into ``emq://`` in one MULTI/EXEC transaction that also
-   records each source delivery tag in the queue's ``migrated`` set (7 days);
-3. only then delete the batch from the staging list.
+2. enqueue each message of the batch into ``emq://`` with one script per message
+   (``enqueue.lua`` and, in the same script, the record of the source delivery
+   tag in the queue's ``migrated`` set, 7 days): a tag is recorded only when its
+   message is a job, and a message whose script failed (``NOSCRIPT`` after a
+   failover, an error) is neither;
+3. only then delete from the staging list the messages whose tag is recorded;
+   the others stay there and the run stops with an error.
 
 The job id is the message's delivery tag (as :meth:`Channel._put` chooses it), and
 a tag already in ``migrated`` is not enqueued again, even if its job already
 ran: a run stopped anywhere is finished by running the command again (it moves
 whatever the staging lists hold first), and a message moved twice is one job.
 ``unacked`` entries go the same way, left in the hash until their enqueue is done.
+
+The scripts of a batch go in one pipeline on the queue's keys (one hash slot on
+a Redis Cluster: the pipeline goes to its master), after a ``SCRIPT LOAD`` on
+that server.
 """
 
 from __future__ import annotations
@@ -29,14 +37,15 @@ import hashlib
 import json
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kombu.transport.virtual.exchange import STANDARD_EXCHANGE_TYPES
+from redis.cluster import RedisCluster
 
 from .codec import pack
 from .errors import EmqError
-from .scripts import UNSET
+from .scripts import UNSET, Outcome, _enqueue_call, script_source
 from .store import JobStore
 from .transport import (
     _KEYED,
@@ -60,6 +69,24 @@ MIGRATED_TTL_MS = 7 * 86_400_000
 BATCH = 200
 #: The lock one migration holds on the source (seconds; renewed each batch).
 LOCK_S = 60
+#: ``enqueue.lua`` with the record of the source's tag: KEYS are enqueue's and the
+#: queue's ``migrated`` set; ARGV are enqueue's and the tag, the time, the set's TTL.
+#: Answers -1 for a tag recorded before (nothing enqueued), else enqueue's answer;
+#: the tag is recorded only when that answer is OK or DUPLICATE, in the same script.
+TAKE_IN = f"""local function enqueue()
+{script_source("enqueue")}
+end
+local migrated, tag = KEYS[#KEYS], ARGV[#ARGV - 2]
+if redis.call('ZSCORE', migrated, tag) then
+  return -1
+end
+local done = enqueue()
+if done == {int(Outcome.OK)} or done == {int(Outcome.DUPLICATE)} then
+  redis.call('ZADD', migrated, ARGV[#ARGV - 1], tag)
+  redis.call('PEXPIRE', migrated, ARGV[#ARGV])
+end
+return done
+"""
 #: Celery's own exchanges: their queues hold replies and events, not tasks.
 INTERNAL_EXCHANGES = frozenset({"celery.pidbox", "reply.celery.pidbox", "celeryev"})
 
@@ -78,6 +105,17 @@ class QueueCount:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass
+class _Taken:
+    """What one pipeline of :data:`TAKE_IN` did: ``done`` per message, in order."""
+
+    moved: int = 0
+    already: int = 0
+    failed: int = 0
+    error: str = ""
+    done: list[bool] = field(default_factory=list)
 
 
 class Migration:
@@ -207,13 +245,20 @@ class Migration:
         return counts
 
     def _move(self, queue: str, raws: list[bytes], staging: str, count: QueueCount) -> None:
-        moved, already = self._enqueue(queue, raws, redelivered=False)
-        count.moved += moved
-        count.already += already
+        taken = self._enqueue(queue, raws, redelivered=False)
+        count.moved += taken.moved
+        count.already += taken.already
         with self.source.pipeline(transaction=False) as pipe:
-            for raw in raws:
-                pipe.lrem(staging, -1, raw)
+            for raw, done in zip(raws, taken.done, strict=True):
+                if done:
+                    pipe.lrem(staging, -1, raw)
             pipe.execute()
+        if taken.error:
+            raise EmqError(
+                f"{taken.failed} message(s) of queue {queue!r} were not enqueued "
+                f"({taken.error}); they wait on the source in {staging!r}: "
+                "run the command again"
+            )
 
     def _move_unacked(self, counts: dict[str, QueueCount]) -> None:
         batch: list[tuple[str, bytes, list[str]]] = []
@@ -232,52 +277,100 @@ class Migration:
         self, batch: list[tuple[str, bytes, list[str]]], counts: dict[str, QueueCount]
     ) -> None:
         self._renew_lock()
-        by_queue: dict[str, list[bytes]] = {}
-        for _tag, raw, queues in batch:
+        by_queue: dict[str, list[int]] = {}
+        for i, (_tag, _raw, queues) in enumerate(batch):
             for q in queues:
-                by_queue.setdefault(q, []).append(raw)
-        for q, raws in by_queue.items():
-            moved, already = self._enqueue(q, raws, redelivered=True)
-            counts[q].moved_unacked += moved
-            counts[q].already += already
+                by_queue.setdefault(q, []).append(i)
+        done = [True] * len(batch)
+        errors: list[str] = []
+        for q, rows in by_queue.items():
+            taken = self._enqueue(q, [batch[i][1] for i in rows], redelivered=True)
+            counts[q].moved_unacked += taken.moved
+            counts[q].already += taken.already
+            for i, ok in zip(rows, taken.done, strict=True):
+                done[i] = done[i] and ok
+            if taken.error:
+                errors.append(f"{taken.failed} of queue {q!r} ({taken.error})")
         with self.source.pipeline(transaction=False) as pipe:
-            for tag, _raw, _queues in batch:
-                pipe.zrem(self._key("unacked_index"), tag)
-                pipe.hdel(self._key("unacked"), tag)
+            for (tag, _raw, _queues), ok in zip(batch, done, strict=True):
+                if ok:
+                    pipe.zrem(self._key("unacked_index"), tag)
+                    pipe.hdel(self._key("unacked"), tag)
             pipe.execute()
+        if errors:
+            raise EmqError(
+                "unacked messages were not enqueued: "
+                + "; ".join(errors)
+                + f"; they wait on the source in {self._key('unacked')!r}: run the command again"
+            )
 
-    def _enqueue(self, queue: str, raws: list[bytes], redelivered: bool) -> tuple[int, int]:
-        """Enqueue messages not taken in before, in one transaction; return (moved, already)."""
+    def _enqueue(self, queue: str, raws: list[bytes], redelivered: bool) -> _Taken:
+        """Enqueue the messages not taken in before, each with the record of its tag.
+
+        One pipeline on the queue's keys, errors answered in place: a message
+        whose script failed is neither a job nor recorded (``done`` false).
+        """
         k = self.store.keys(queue)
         jobs = [self._job(raw, redelivered) for raw in raws]
-        taken = self.store.client.pipeline(transaction=False)
-        for job in jobs:
-            taken.zscore(k.migrated, job["tag"])
-        seen = taken.execute()
-        fresh = [j for j, score in zip(jobs, seen, strict=True) if score is None]
-        if fresh:
-            now_ms = self.store.server_ms()
-            with self.store.client.pipeline(transaction=True) as pipe:
-                for job in fresh:
-                    self.store.scripts.enqueue(
-                        k,
-                        job["id"],
-                        pack(job["stored"]),
-                        job["priority"],
-                        None,
-                        0,
-                        job["budget"],
-                        job["group"],
-                        job["eta_ms"],
-                        job["task_id"],
-                        client=pipe,
-                    )
-                pipe.zadd(k.migrated, {job["tag"]: now_ms for job in fresh})
-                pipe.pexpire(k.migrated, MIGRATED_TTL_MS)
-                pipe.execute()
-            if any(j["task"] for j in fresh):
-                self.store.register(queue)
-        return len(fresh), len(jobs) - len(fresh)
+        server = self._server_of(k.migrated)
+        sha = _text(server.script_load(TAKE_IN))
+        now_ms = self.store.server_ms()
+        with server.pipeline(transaction=False) as pipe:
+            for job in jobs:
+                keys, args = _enqueue_call(
+                    k,
+                    job["id"],
+                    pack(job["stored"]),
+                    job["priority"],
+                    None,
+                    0,
+                    job["budget"],
+                    job["group"],
+                    job["eta_ms"],
+                    job["task_id"],
+                )
+                pipe.evalsha(
+                    sha,
+                    len(keys) + 1,
+                    *keys,
+                    k.migrated,
+                    *args,
+                    job["tag"],
+                    now_ms,
+                    MIGRATED_TTL_MS,
+                )
+            replies = pipe.execute(raise_on_error=False)
+        taken = _Taken()
+        for reply in replies:
+            if isinstance(reply, Exception):
+                taken.done.append(False)
+                taken.failed += 1
+                taken.error = taken.error or str(reply)
+            elif int(reply) == -1:
+                taken.done.append(True)
+                taken.already += 1
+            elif int(reply) in (Outcome.OK, Outcome.DUPLICATE):
+                taken.done.append(True)
+                taken.moved += 1
+            else:
+                taken.done.append(False)
+                taken.failed += 1
+                taken.error = taken.error or f"enqueue.lua answered {reply!r}"
+        if taken.moved and any(j["task"] for j in jobs):
+            self.store.register(queue)
+        return taken
+
+    def _server_of(self, key: str) -> Any:
+        """The client of the server holding ``key``: on a cluster, its slot's master.
+
+        redis-py's cluster pipeline takes no ``EVALSHA``; a queue's keys share one
+        slot, so a batch goes in one plain pipeline to that master. A call that
+        meets a moved slot there fails in place, like any other error.
+        """
+        client = self.store.client
+        if isinstance(client, RedisCluster):
+            return client.get_redis_connection(client.get_node_from_key(key))
+        return client
 
     def _job(self, raw: bytes, redelivered: bool) -> dict[str, Any]:
         """What ``Channel._put`` would enqueue for this stock message."""

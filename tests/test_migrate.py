@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -15,7 +16,8 @@ from click.testing import CliRunner
 from kombu import Connection
 
 from celery_emq.cli import emq as emq_cli
-from celery_emq.migrate import STAGING, Migration
+from celery_emq.migrate import BATCH, STAGING, Migration
+from tests.faults.servers import RedisServer
 
 N = 1000
 
@@ -230,3 +232,121 @@ def test_migration_reads_kombu_bindings_to_route_unacked(client: redis.Redis, pr
     assert m.route("tasks", "a.x") == ["qa"]
     assert m.route("", "direct-q") == ["direct-q"]
     assert m.bound_queues() == ["qa", "qb"]
+
+
+@pytest.fixture
+def own_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A Redis of this test's own: its scripts can be flushed without touching anyone's."""
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    yield server
+    server.stop()
+
+
+def forget_scripts_before(
+    monkeypatch: pytest.MonkeyPatch, server: redis.Redis, runs: set[int]
+) -> Callable[[], None]:
+    """The server forgets its scripts just before the ``runs``-th pipelines that run one.
+
+    As after a restart or a failover to a replica that never loaded them: between
+    the client's load (redis-py's, or the caller's) and the EVALSHAs. Returns a
+    function that stops it.
+    """
+    seen = [0]
+    on = [True]
+    for name in ("_execute_transaction", "_execute_pipeline"):
+        real = getattr(redis.client.Pipeline, name)
+
+        def run(self: Any, connection: Any, commands: Any, *rest: Any, _real: Any = real) -> Any:
+            if on[0] and any(args[0] == "EVALSHA" for args, _ in commands):
+                seen[0] += 1
+                if seen[0] in runs:
+                    server.script_flush()
+            return _real(self, connection, commands, *rest)
+
+        monkeypatch.setattr(redis.client.Pipeline, name, run)
+
+    def stop() -> None:
+        on[0] = False
+
+    return stop
+
+
+def test_scripts_forgotten_in_a_batch_lose_none_of_its_messages(
+    own_server: RedisServer,
+    old_prefix: str,
+    prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    url = own_server.url
+    server = own_server.client()
+    old = Celery("old", set_as_current=False)
+    old.conf.update(broker_url=url, broker_transport_options={"global_keyprefix": old_prefix})
+    new = Celery("new", set_as_current=False)
+    new.conf.update(
+        broker_url=url.replace("redis://", "emq://", 1),
+        broker_transport_options={"global_keyprefix": prefix},
+    )
+    total = BATCH + 50
+    publish(old, total)
+    source = ["--from", url, "--from-keyprefix", old_prefix]
+
+    stop = forget_scripts_before(monkeypatch, server, runs={2})
+    failed = CliRunner().invoke(
+        emq_cli, ["migrate", *source, "--json"], obj=SimpleNamespace(app=new)
+    )
+    assert failed.exit_code != 0
+    stop()
+    with Connection(new.conf.broker_url, transport_options=new.conf.broker_transport_options) as c:
+        store = c.default_channel.store
+        k = store.keys("celery")
+        # A tag taken in is a job; the rest still wait on the source.
+        taken = [t.decode() for t in server.zrange(k.migrated, 0, -1)]
+        assert all(server.exists(k.job(t)) for t in taken)
+        assert len(taken) + old_lists(server, old_prefix) == total
+
+        report = migrate(new, *source)
+        assert moved(report) == total - len(taken)
+        assert old_lists(server, old_prefix) == 0
+        assert store.counts("celery")["pending"] == total
+    server.close()
+    old.close()
+    new.close()
+
+
+@pytest.mark.slow
+def test_a_cluster_target_whose_nodes_never_loaded_the_scripts(
+    old_app: Celery, redis_url: str, old_prefix: str, prefix: str, client: redis.Redis
+) -> None:
+    from redis.cluster import ClusterNode, RedisCluster
+
+    from tests.topology.cluster_servers import Cluster
+
+    cluster = Cluster(masters=3, replicas=0)
+    try:
+        cluster.start()
+        nodes = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", p) for p in cluster.ports])
+        new = Celery("new", set_as_current=False)
+        new.conf.update(
+            broker_url=cluster.url, broker_transport_options={"global_keyprefix": prefix}
+        )
+        publish(old_app, BATCH + 20)
+        publish(old_app, 30, queue="emails")
+        source = ["--from", redis_url, "--from-keyprefix", old_prefix]
+        report = migrate(new, *source, "--queue", "celery", "--queue", "emails")
+        assert {q: c["moved"] for q, c in report["queues"].items()} == {
+            "celery": BATCH + 20, "emails": 30,
+        }  # fmt: skip
+        assert old_lists(client, old_prefix) == old_lists(client, old_prefix, "emails") == 0
+        assert moved(migrate(new, *source, "--queue", "celery", "--queue", "emails")) == 0
+        with Connection(
+            new.conf.broker_url, transport_options=new.conf.broker_transport_options
+        ) as c:
+            store = c.default_channel.store
+            assert isinstance(store.client, RedisCluster)
+            assert store.counts("celery")["pending"] == BATCH + 20
+            assert store.counts("emails")["pending"] == 30
+        nodes.close()
+        new.close()
+    finally:
+        cluster.stop()
