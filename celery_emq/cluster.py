@@ -126,33 +126,60 @@ class _Waker(threading.Thread):
         self._timeout_s = timeout_s
         self.armed = threading.Event()
         self.stopped = False
+        self._stopping = threading.Event()
+
+    def stop(self) -> None:
+        """Have the thread end after its current wait (or at once if it waits to be armed)."""
+        self.stopped = True
+        self._stopping.set()
+        self.armed.set()
 
     def run(self) -> None:
+        try:
+            self._wait()
+        finally:
+            if not self.stopped:
+                # Ended by an error no wait survives: wake the loop, whose
+                # next wait starts a waker in this one's place.
+                self._channel._signal()
+
+    def _wait(self) -> None:
         keys = list(self.queues)
-        client = self._channel._wake_client
+        failures = 0
         while not self.stopped:
             if not self.armed.wait(self._timeout_s):
                 continue
             if self.stopped:
                 break
             try:
+                client = self._channel._wake_redis()
                 reply = client.brpop(keys, timeout=self._timeout_s)
+                if reply is None:
+                    self._channel._tick()
+                else:
+                    self._report(self.queues[bytes_to_str(reply[0])])
             except Exception as exc:
-                logger.debug("celery_emq: waiting on %s failed: %r", keys, exc)
+                # A failover or a reconnect: the loop scans (and meets the
+                # error itself, so Celery reconnects); wait again shortly.
+                failures += 1
+                log = logger.warning if failures == 1 else logger.debug
+                log("celery_emq: waiting on %s failed (%d in a row): %r", keys, failures, exc)
                 self._channel._tick()
-                threading.Event().wait(RETRY_S)
+                self._stopping.wait(RETRY_S)
                 continue
-            if reply is None:
-                self._channel._tick()
-                continue
-            queue = self.queues[bytes_to_str(reply[0])]
-            if self.stopped:
-                # The channel no longer waits on this queue: another consumer may.
-                self._channel._give_back_marker(queue)
-                break
-            # One marker popped: wait to be armed again once the loop claimed.
-            self.armed.clear()
-            self._channel._woke(queue)
+            if failures:
+                logger.info("celery_emq: waiting on %s again after %d failures", keys, failures)
+                failures = 0
+
+    def _report(self, queue: str) -> None:
+        """Hand the loop the marker popped from ``queue``'s wake list."""
+        if self.stopped:
+            # The channel no longer waits on this queue: another consumer may.
+            self._channel._give_back_marker(queue)
+            return
+        # One marker popped: wait to be armed again once the loop claimed.
+        self.armed.clear()
+        self._channel._woke(queue)
 
 
 class ClusterChannel(Channel):
@@ -163,6 +190,8 @@ class ClusterChannel(Channel):
         self._popped: deque[str] = deque()
         self._ticked_at = monotonic()
         self._node: tuple[str, int] | None = None
+        self._wake_client: RedisCluster | None = None
+        self._wake_client_lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
     # -- clients ---------------------------------------------------------
@@ -190,10 +219,18 @@ class ClusterChannel(Channel):
         """A RedisCluster over the URL's seed nodes, for the store."""
         return _cluster(socket_timeout=self.store_timeout_s, **self._cluster_kwargs())
 
-    @cached_property
-    def _wake_client(self) -> RedisCluster:
-        """A RedisCluster for the wakers' blocking waits (a socket timeout past the wait)."""
-        return _cluster(socket_timeout=self._wait_s + 10, **self._cluster_kwargs())
+    def _wake_redis(self) -> RedisCluster:
+        """The wakers' RedisCluster, for their blocking waits (a socket timeout past the wait).
+
+        Built by the first waker to wait (it connects: it may fail, and the
+        waker tries again), once for all of them.
+        """
+        with self._wake_client_lock:
+            if self._wake_client is None:
+                self._wake_client = _cluster(
+                    socket_timeout=self._wait_s + 10, **self._cluster_kwargs()
+                )
+            return self._wake_client
 
     @cached_property
     def client(self) -> Any:
@@ -277,9 +314,10 @@ class ClusterChannel(Channel):
             key = self.store.keys(q).wake
             groups.setdefault(key_slot(key.encode()), {})[key] = q
         for slot, waker in list(self._wakers.items()):
-            if groups.get(slot) != waker.queues:
-                waker.stopped = True
-                waker.armed.set()
+            if groups.get(slot) != waker.queues or not waker.is_alive():
+                if not waker.is_alive() and not waker.stopped:
+                    logger.warning("celery_emq: %s had ended; starting another", waker.name)
+                waker.stop()
                 del self._wakers[slot]
         for slot, keys in groups.items():
             if slot not in self._wakers:
@@ -295,6 +333,10 @@ class ClusterChannel(Channel):
     def _woke(self, queue: str) -> None:
         """A waker popped ``queue``'s marker (called from its thread)."""
         self._popped.append(queue)
+        self._signal()
+
+    def _signal(self) -> None:
+        """Make kombu's poller see the channel readable (from any thread)."""
         connection = self.client.connection
         if connection is not None:
             connection.signal()
@@ -304,9 +346,7 @@ class ClusterChannel(Channel):
         now = monotonic()
         if now - self._ticked_at >= self._scan_interval_s:
             self._ticked_at = now
-            connection = self.client.connection
-            if connection is not None:
-                connection.signal()
+            self._signal()
 
     def _take_popped(self) -> list[str]:
         connection = self.client.connection
@@ -330,8 +370,7 @@ class ClusterChannel(Channel):
 
     def close(self) -> None:
         for waker in self._wakers.values():
-            waker.stopped = True
-            waker.armed.set()
+            waker.stop()
         self._wakers.clear()
         self._in_poll = None
         for queue in self._take_popped():
@@ -341,8 +380,10 @@ class ClusterChannel(Channel):
                 # The scan of other consumers finds the job within an interval.
                 logger.debug("celery_emq: could not give back a marker of %s", queue)
         super().close()
-        if "_wake_client" in self.__dict__:
-            self._wake_client.close()
+        with self._wake_client_lock:
+            client, self._wake_client = self._wake_client, None
+        if client is not None:
+            client.close()
 
     def _disconnect_store(self) -> None:
         self.store.client.close()
