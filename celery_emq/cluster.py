@@ -173,13 +173,16 @@ class _Waker(threading.Thread):
 
     def _report(self, queue: str) -> None:
         """Hand the loop the marker popped from ``queue``'s wake list."""
-        if self.stopped:
-            # The channel no longer waits on this queue: another consumer may.
+        with self._channel._wake_lock:
+            keep = self.armed.is_set() and not self.stopped
+            if keep:
+                # One marker popped: wait to be armed again once the loop claimed.
+                self.armed.clear()
+                self._channel._woke(queue)
+        if not keep:
+            # Disarmed during the wait: the channel's prefetch is full, or it
+            # no longer waits on this queue. Another consumer may take the job.
             self._channel._give_back_marker(queue)
-            return
-        # One marker popped: wait to be armed again once the loop claimed.
-        self.armed.clear()
-        self._channel._woke(queue)
 
 
 class ClusterChannel(Channel):
@@ -192,6 +195,8 @@ class ClusterChannel(Channel):
         self._node: tuple[str, int] | None = None
         self._wake_client: RedisCluster | None = None
         self._wake_client_lock = threading.Lock()
+        #: Serialises a waker's report of a pop with the loop's disarming.
+        self._wake_lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
     # -- clients ---------------------------------------------------------
@@ -359,7 +364,15 @@ class ClusterChannel(Channel):
 
     def _brpop_read(self, **options: Any) -> bool:
         self._in_poll = None
-        return self._deliver_woken(self._take_popped())
+        try:
+            return self._deliver_woken(self._take_popped())
+        finally:
+            if not self.qos.can_consume():
+                # As a single server gets no BRPOP while the prefetch is full,
+                # no waker waits until the next _brpop_start arms them again.
+                with self._wake_lock:
+                    for waker in self._wakers.values():
+                        waker.armed.clear()
 
     def _poll_error(self, type: str, **options: Any) -> None:
         if type == "BRPOP":

@@ -96,3 +96,26 @@ def test_a_waker_that_died_is_replaced(
         # A live waker: woken by the marker, not found by a scan a second later.
         assert got == [{"n": 1}, {"n": 2}]
         assert time.monotonic() - t0 < 0.5
+
+
+def test_a_full_prefetch_leaves_other_queues_markers_for_other_consumers(
+    connect: ConnFactory,
+) -> None:
+    first, second = spread_names(2)
+    conn = connect()
+    channel = conn.default_channel
+    got: list[Any] = []
+    with Consumer(
+        channel, [queue(first), queue(second)], callbacks=[lambda b, m: got.append(b)]
+    ) as consumer:
+        consumer.qos(prefetch_count=1)
+        drain(conn, [], 1, timeout=1.5)  # a waker per slot waits
+        _publish(connect(), first, {"n": 1})
+        drain(conn, got, 1, timeout=5)
+        assert got == [{"n": 1}]  # not acked: the prefetch is full
+        _publish(connect(), second, {"n": 2})
+        drain(conn, got, 2, timeout=2.5)
+        assert got == [{"n": 1}]
+        # The marker waits for a consumer that can take the job.
+        assert _wake_len(channel, second) == 1
+        assert not channel._popped
