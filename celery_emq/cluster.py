@@ -195,6 +195,7 @@ class ClusterChannel(Channel):
         self._node: tuple[str, int] | None = None
         self._wake_client: RedisCluster | None = None
         self._wake_client_lock = threading.Lock()
+        self._wake_closed = False
         #: Serialises a waker's report of a pop with the loop's disarming.
         self._wake_lock = threading.Lock()
         super().__init__(*args, **kwargs)
@@ -231,6 +232,8 @@ class ClusterChannel(Channel):
         waker tries again), once for all of them.
         """
         with self._wake_client_lock:
+            if self._wake_closed:
+                raise redis.ConnectionError("the channel is closed")
             if self._wake_client is None:
                 self._wake_client = _cluster(
                     socket_timeout=self._wait_s + 10, **self._cluster_kwargs()
@@ -382,9 +385,20 @@ class ClusterChannel(Channel):
         super()._poll_error(type, **options)
 
     def close(self) -> None:
-        for waker in self._wakers.values():
-            waker.stop()
-        self._wakers.clear()
+        # Each waker ends within its wait: one that pops meanwhile gives the
+        # marker back itself. Only then are the markers the loop did not
+        # read given back, and the wakers' client closed (closed earlier, a
+        # reply on its way would be lost, or a retry reopen it).
+        with self._wake_lock:
+            wakers = list(self._wakers.values())
+            self._wakers.clear()
+            for waker in wakers:
+                waker.stop()
+        deadline = monotonic() + self._wait_s + 1
+        for waker in wakers:
+            waker.join(max(0.0, deadline - monotonic()))
+            if waker.is_alive():
+                logger.warning("celery_emq: %s did not end within its wait", waker.name)
         self._in_poll = None
         for queue in self._take_popped():
             try:
@@ -394,6 +408,7 @@ class ClusterChannel(Channel):
                 logger.debug("celery_emq: could not give back a marker of %s", queue)
         super().close()
         with self._wake_client_lock:
+            self._wake_closed = True
             client, self._wake_client = self._wake_client, None
         if client is not None:
             client.close()

@@ -119,3 +119,23 @@ def test_a_full_prefetch_leaves_other_queues_markers_for_other_consumers(
         # The marker waits for a consumer that can take the job.
         assert _wake_len(channel, second) == 1
         assert not channel._popped
+
+
+def test_close_waits_for_its_wakers_and_gives_back_a_marker_popped_meanwhile(
+    connect: ConnFactory,
+) -> None:
+    name = spread_names(1)[0]
+    conn = connect()
+    channel = conn.channel()
+    consumer = Consumer(channel, [queue(name)], callbacks=[])
+    consumer.consume()
+    drain(conn, [], 1, timeout=1.5)  # the waker waits
+    assert len(_wakers(channel)) == 1
+    publisher = connect()
+    _publish(publisher, "warm", {})  # connected before the close starts
+    timer = threading.Timer(0.05, _publish, (publisher, name, {"n": 1}))
+    timer.start()
+    channel.close()
+    timer.join()
+    assert _wakers(channel) == []
+    assert _wake_len(publisher.default_channel, name) == 1
