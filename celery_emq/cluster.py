@@ -313,20 +313,37 @@ class ClusterChannel(Channel):
     def _wait_s(self) -> int:
         return max(1, int(self.brpop_timeout or 1))
 
-    def _brpop_start(self, timeout: float | None = None) -> None:
-        queues = self.active_queues
-        if not queues:
-            return
+    def _wake_groups(self) -> dict[int, dict[str, str]]:
+        """The wake lists of the active queues, by slot (wake key -> queue)."""
         groups: dict[int, dict[str, str]] = {}
-        for q in queues:
+        for q in self.active_queues:
             key = self.store.keys(q).wake
             groups.setdefault(key_slot(key.encode()), {})[key] = q
-        for slot, waker in list(self._wakers.items()):
-            if groups.get(slot) != waker.queues or not waker.is_alive():
+        return groups
+
+    def _retire_wakers(self, groups: dict[int, dict[str, str]]) -> bool:
+        """Stop each waker whose slot's queues are no longer ``groups``'s, or that ended.
+
+        Returns:
+            Whether any waker was stopped.
+        """
+        retired = False
+        with self._wake_lock:
+            for slot, waker in list(self._wakers.items()):
+                if groups.get(slot) == waker.queues and waker.is_alive():
+                    continue
                 if not waker.is_alive() and not waker.stopped:
                     logger.warning("celery_emq: %s had ended; starting another", waker.name)
                 waker.stop()
                 del self._wakers[slot]
+                retired = True
+        return retired
+
+    def _brpop_start(self, timeout: float | None = None) -> None:
+        groups = self._wake_groups()
+        self._retire_wakers(groups)
+        if not groups:
+            return
         for slot, keys in groups.items():
             if slot not in self._wakers:
                 self._wakers[slot] = _Waker(self, keys, self._wait_s)
@@ -337,6 +354,14 @@ class ClusterChannel(Channel):
         if self._popped and self._in_poll is not None:
             # Popped while the signal's socket was down: signal again.
             self._in_poll.signal()
+
+    def _basic_cancel(self, consumer_tag: str) -> Any:
+        result = super()._basic_cancel(consumer_tag)
+        if self._retire_wakers(self._wake_groups()) and self._in_poll:
+            # The other queues of a retired waker's slot need a waker of
+            # their own: the poller's next wait starts it.
+            self._in_poll = None
+        return result
 
     def _woke(self, queue: str) -> None:
         """A waker popped ``queue``'s marker (called from its thread)."""

@@ -139,3 +139,18 @@ def test_close_waits_for_its_wakers_and_gives_back_a_marker_popped_meanwhile(
     timer.join()
     assert _wakers(channel) == []
     assert _wake_len(publisher.default_channel, name) == 1
+
+
+def test_a_cancelled_consumer_leaves_its_queues_markers(connect: ConnFactory) -> None:
+    name = spread_names(1)[0]
+    conn = connect()
+    channel = conn.default_channel
+    consumer = Consumer(channel, [queue(name)], callbacks=[])
+    consumer.consume()
+    drain(conn, [], 1, timeout=1.5)  # the waker waits
+    consumer.cancel()
+    drain(conn, [], 1, timeout=0.5)
+    _publish(connect(), name, {"n": 1})
+    time.sleep(1.5)
+    assert _wake_len(channel, name) == 1
+    assert _wakers(channel) == []
