@@ -126,33 +126,63 @@ class _Waker(threading.Thread):
         self._timeout_s = timeout_s
         self.armed = threading.Event()
         self.stopped = False
+        self._stopping = threading.Event()
+
+    def stop(self) -> None:
+        """Have the thread end after its current wait (or at once if it waits to be armed)."""
+        self.stopped = True
+        self._stopping.set()
+        self.armed.set()
 
     def run(self) -> None:
+        try:
+            self._wait()
+        finally:
+            if not self.stopped:
+                # Ended by an error no wait survives: wake the loop, whose
+                # next wait starts a waker in this one's place.
+                self._channel._signal()
+
+    def _wait(self) -> None:
         keys = list(self.queues)
-        client = self._channel._wake_client
+        failures = 0
         while not self.stopped:
             if not self.armed.wait(self._timeout_s):
                 continue
             if self.stopped:
                 break
             try:
+                client = self._channel._wake_redis()
                 reply = client.brpop(keys, timeout=self._timeout_s)
+                if reply is None:
+                    self._channel._tick()
+                else:
+                    self._report(self.queues[bytes_to_str(reply[0])])
             except Exception as exc:
-                logger.debug("celery_emq: waiting on %s failed: %r", keys, exc)
+                # A failover or a reconnect: the loop scans (and meets the
+                # error itself, so Celery reconnects); wait again shortly.
+                failures += 1
+                log = logger.warning if failures == 1 else logger.debug
+                log("celery_emq: waiting on %s failed (%d in a row): %r", keys, failures, exc)
                 self._channel._tick()
-                threading.Event().wait(RETRY_S)
+                self._stopping.wait(RETRY_S)
                 continue
-            if reply is None:
-                self._channel._tick()
-                continue
-            queue = self.queues[bytes_to_str(reply[0])]
-            if self.stopped:
-                # The channel no longer waits on this queue: another consumer may.
-                self._channel._give_back_marker(queue)
-                break
-            # One marker popped: wait to be armed again once the loop claimed.
-            self.armed.clear()
-            self._channel._woke(queue)
+            if failures:
+                logger.info("celery_emq: waiting on %s again after %d failures", keys, failures)
+                failures = 0
+
+    def _report(self, queue: str) -> None:
+        """Hand the loop the marker popped from ``queue``'s wake list."""
+        with self._channel._wake_lock:
+            keep = self.armed.is_set() and not self.stopped
+            if keep:
+                # One marker popped: wait to be armed again once the loop claimed.
+                self.armed.clear()
+                self._channel._woke(queue)
+        if not keep:
+            # Disarmed during the wait: the channel's prefetch is full, or it
+            # no longer waits on this queue. Another consumer may take the job.
+            self._channel._give_back_marker(queue)
 
 
 class ClusterChannel(Channel):
@@ -163,6 +193,11 @@ class ClusterChannel(Channel):
         self._popped: deque[str] = deque()
         self._ticked_at = monotonic()
         self._node: tuple[str, int] | None = None
+        self._wake_client: RedisCluster | None = None
+        self._wake_client_lock = threading.Lock()
+        self._wake_closed = False
+        #: Serialises a waker's report of a pop with the loop's disarming.
+        self._wake_lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
     # -- clients ---------------------------------------------------------
@@ -190,10 +225,20 @@ class ClusterChannel(Channel):
         """A RedisCluster over the URL's seed nodes, for the store."""
         return _cluster(socket_timeout=self.store_timeout_s, **self._cluster_kwargs())
 
-    @cached_property
-    def _wake_client(self) -> RedisCluster:
-        """A RedisCluster for the wakers' blocking waits (a socket timeout past the wait)."""
-        return _cluster(socket_timeout=self._wait_s + 10, **self._cluster_kwargs())
+    def _wake_redis(self) -> RedisCluster:
+        """The wakers' RedisCluster, for their blocking waits (a socket timeout past the wait).
+
+        Built by the first waker to wait (it connects: it may fail, and the
+        waker tries again), once for all of them.
+        """
+        with self._wake_client_lock:
+            if self._wake_closed:
+                raise redis.ConnectionError("the channel is closed")
+            if self._wake_client is None:
+                self._wake_client = _cluster(
+                    socket_timeout=self._wait_s + 10, **self._cluster_kwargs()
+                )
+            return self._wake_client
 
     @cached_property
     def client(self) -> Any:
@@ -268,19 +313,37 @@ class ClusterChannel(Channel):
     def _wait_s(self) -> int:
         return max(1, int(self.brpop_timeout or 1))
 
-    def _brpop_start(self, timeout: float | None = None) -> None:
-        queues = self.active_queues
-        if not queues:
-            return
+    def _wake_groups(self) -> dict[int, dict[str, str]]:
+        """The wake lists of the active queues, by slot (wake key -> queue)."""
         groups: dict[int, dict[str, str]] = {}
-        for q in queues:
+        for q in self.active_queues:
             key = self.store.keys(q).wake
             groups.setdefault(key_slot(key.encode()), {})[key] = q
-        for slot, waker in list(self._wakers.items()):
-            if groups.get(slot) != waker.queues:
-                waker.stopped = True
-                waker.armed.set()
+        return groups
+
+    def _retire_wakers(self, groups: dict[int, dict[str, str]]) -> bool:
+        """Stop each waker whose slot's queues are no longer ``groups``'s, or that ended.
+
+        Returns:
+            Whether any waker was stopped.
+        """
+        retired = False
+        with self._wake_lock:
+            for slot, waker in list(self._wakers.items()):
+                if groups.get(slot) == waker.queues and waker.is_alive():
+                    continue
+                if not waker.is_alive() and not waker.stopped:
+                    logger.warning("celery_emq: %s had ended; starting another", waker.name)
+                waker.stop()
                 del self._wakers[slot]
+                retired = True
+        return retired
+
+    def _brpop_start(self, timeout: float | None = None) -> None:
+        groups = self._wake_groups()
+        self._retire_wakers(groups)
+        if not groups:
+            return
         for slot, keys in groups.items():
             if slot not in self._wakers:
                 self._wakers[slot] = _Waker(self, keys, self._wait_s)
@@ -292,9 +355,21 @@ class ClusterChannel(Channel):
             # Popped while the signal's socket was down: signal again.
             self._in_poll.signal()
 
+    def _basic_cancel(self, consumer_tag: str) -> Any:
+        result = super()._basic_cancel(consumer_tag)
+        if self._retire_wakers(self._wake_groups()) and self._in_poll:
+            # The other queues of a retired waker's slot need a waker of
+            # their own: the poller's next wait starts it.
+            self._in_poll = None
+        return result
+
     def _woke(self, queue: str) -> None:
         """A waker popped ``queue``'s marker (called from its thread)."""
         self._popped.append(queue)
+        self._signal()
+
+    def _signal(self) -> None:
+        """Make kombu's poller see the channel readable (from any thread)."""
         connection = self.client.connection
         if connection is not None:
             connection.signal()
@@ -304,9 +379,7 @@ class ClusterChannel(Channel):
         now = monotonic()
         if now - self._ticked_at >= self._scan_interval_s:
             self._ticked_at = now
-            connection = self.client.connection
-            if connection is not None:
-                connection.signal()
+            self._signal()
 
     def _take_popped(self) -> list[str]:
         connection = self.client.connection
@@ -319,7 +392,15 @@ class ClusterChannel(Channel):
 
     def _brpop_read(self, **options: Any) -> bool:
         self._in_poll = None
-        return self._deliver_woken(self._take_popped())
+        try:
+            return self._deliver_woken(self._take_popped())
+        finally:
+            if not self.qos.can_consume():
+                # As a single server gets no BRPOP while the prefetch is full,
+                # no waker waits until the next _brpop_start arms them again.
+                with self._wake_lock:
+                    for waker in self._wakers.values():
+                        waker.armed.clear()
 
     def _poll_error(self, type: str, **options: Any) -> None:
         if type == "BRPOP":
@@ -329,10 +410,20 @@ class ClusterChannel(Channel):
         super()._poll_error(type, **options)
 
     def close(self) -> None:
-        for waker in self._wakers.values():
-            waker.stopped = True
-            waker.armed.set()
-        self._wakers.clear()
+        # Each waker ends within its wait: one that pops meanwhile gives the
+        # marker back itself. Only then are the markers the loop did not
+        # read given back, and the wakers' client closed (closed earlier, a
+        # reply on its way would be lost, or a retry reopen it).
+        with self._wake_lock:
+            wakers = list(self._wakers.values())
+            self._wakers.clear()
+            for waker in wakers:
+                waker.stop()
+        deadline = monotonic() + self._wait_s + 1
+        for waker in wakers:
+            waker.join(max(0.0, deadline - monotonic()))
+            if waker.is_alive():
+                logger.warning("celery_emq: %s did not end within its wait", waker.name)
         self._in_poll = None
         for queue in self._take_popped():
             try:
@@ -341,8 +432,11 @@ class ClusterChannel(Channel):
                 # The scan of other consumers finds the job within an interval.
                 logger.debug("celery_emq: could not give back a marker of %s", queue)
         super().close()
-        if "_wake_client" in self.__dict__:
-            self._wake_client.close()
+        with self._wake_client_lock:
+            self._wake_closed = True
+            client, self._wake_client = self._wake_client, None
+        if client is not None:
+            client.close()
 
     def _disconnect_store(self) -> None:
         self.store.client.close()
