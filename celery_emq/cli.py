@@ -29,6 +29,8 @@ from typing import Any
 
 import click
 
+from ._format import age as _age
+from ._format import when as _when
 from .errors import EmqError
 from .jobs import accepted_content
 from .morgue import REASONS, DeadJob, Morgue
@@ -86,23 +88,6 @@ def _on_server_clock(args: dict[str, Any], store: JobStore) -> dict[str, Any]:
             now = store.server_ms()
         out[key] = (now or 0) - ms if ago else ms
     return out
-
-
-def _when(ms: int) -> str:
-    if not ms:
-        return "-"
-    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
-
-
-def _age(ms: int | None) -> str:
-    if ms is None:
-        return "-"
-    s = ms / 1000
-    if s < 120:
-        return f"{s:.1f}s"
-    if s < 7200:
-        return f"{s / 60:.1f}m"
-    return f"{s / 3600:.1f}h"
 
 
 def _table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:

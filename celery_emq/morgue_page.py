@@ -12,7 +12,6 @@ server from templates shipped in ``celery_emq/templates/emq``, without scripts.
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlencode
@@ -21,6 +20,7 @@ import tornado.web
 from flower.views import BaseHandler
 from tornado.ioloop import IOLoop
 
+from ._format import age, when
 from .errors import EmqError
 from .jobs import accepted_content
 from .morgue import REASONS, Morgue
@@ -34,23 +34,6 @@ LIST_LIMIT = 500
 TEMPLATES = str(Path(__file__).parent / "templates" / "emq")
 
 T = TypeVar("T")
-
-
-def _when(ms: int | None) -> str:
-    if not ms:
-        return "-"
-    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
-
-
-def _age(ms: int | None) -> str:
-    if ms is None:
-        return "-"
-    s = ms / 1000
-    if s < 120:
-        return f"{s:.1f} s"
-    if s < 7200:
-        return f"{s / 60:.1f} min"
-    return f"{s / 3600:.1f} h"
 
 
 class EmqHandler(BaseHandler):  # type: ignore[misc]
@@ -83,7 +66,7 @@ class EmqHandler(BaseHandler):  # type: ignore[misc]
     def page(self, template: str, **kwargs: Any) -> None:
         self._ours = True
         try:
-            self.render(template, root=self.root, when=_when, age=_age, **kwargs)
+            self.render(template, root=self.root, when=when, age=lambda ms: age(ms, " "), **kwargs)
         finally:
             self._ours = False
 
