@@ -225,3 +225,34 @@ def test_task_events_reach_a_monitor(start_worker: Callable[..., Worker], capp: 
                 result = capp.send_task("tests.e2e.app.add", args=(2, 2))
         it.close()
     assert "task-succeeded" in seen
+
+
+def test_a_flooding_group_does_not_starve_another(
+    start_worker: Callable[..., Worker], capp: Any, client: redis.Redis, prefix: str
+) -> None:
+    """Fair lanes under a real worker: a small group's tasks run among a flood's first."""
+    flood, small = 200, 10
+    with capp.producer_or_acquire() as producer:
+        for i in range(flood):
+            capp.send_task(
+                "tests.e2e.app.ledger", args=(i,), headers={"emq_group": "flood"}, producer=producer
+            )
+        for i in range(1000, 1000 + small):
+            capp.send_task(
+                "tests.e2e.app.ledger", args=(i,), headers={"emq_group": "small"}, producer=producer
+            )
+    store = JobStore(client, prefix + "emq", 30000)
+    assert store.counts("celery")["pending"] == flood + small
+    # Published behind the whole flood, and one task at a time: without lanes the
+    # small group's first task would run 201st.
+    start_worker("-P", "solo", EMQ_E2E_PREFETCH="1")
+    wait_for(lambda: client.llen(prefix + "ledger") == flood + small, timeout=120, interval=0.5)
+    order = [int(e.split()[0]) for e in client.lrange(prefix + "ledger", 0, -1)]
+    assert sorted(order) == [*range(flood), *range(1000, 1000 + small)]
+    small_at = [n for n, i in enumerate(order) if i >= 1000]
+    # Claims rotate over the lanes one job at a time: the two groups alternate
+    # until the small one is drained.
+    assert small_at[-1] < 2 * small + 2, small_at
+    wait_for(
+        lambda: store.counts("celery") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}, 10
+    )
