@@ -14,24 +14,72 @@ whenever it connects, and a connection that meets a demoted master (``READONLY``
 drops. kombu's clients (publish, the blocking claim's BRPOP, fanout pub/sub) and
 the job store's client (lease keeper, settles, sweep, CLI) all reconnect to the
 promoted replica after a failover.
+
+A connection that never breaks would never ask again: after a failover the old
+master may go on taking writes until the sentinels demote it (it came back
+before they did, or a second failover left two masters for a while), and
+whatever a client writes there is lost when it resyncs. So each pool asks the
+sentinels again at most every :data:`MASTER_CHECK_S` when a connection is taken
+from it, and drops its idle connections when the answer changed (redis-py drops
+the busy ones as they come back); the consumer's blocking claim, which holds its
+connection for good, is dropped as a connection error, and Celery reconnects.
 """
 
 from __future__ import annotations
 
+import threading
+from time import monotonic
 from typing import Any
 
 import redis
-from redis.sentinel import Sentinel
+from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from ._compat import sentinel_connection_classes
 from .errors import InvalidOptionError
 from .topology import BrokerTarget
 from .transport import Channel
 
-__all__ = ["SentinelChannel"]
+__all__ = ["MASTER_CHECK_S", "SentinelChannel"]
+
+#: How often (at most) a pool asks the sentinels again which server is the master.
+MASTER_CHECK_S = 1.0
 
 #: The sentinel transport options, as kombu's ``sentinel://`` transport names them.
 SENTINEL_OPTIONS = ("master_name", "min_other_sentinels", "sentinel_kwargs")
+
+
+class MasterFollowingPool(SentinelConnectionPool):
+    """A pool to the master that asks the sentinels again every :data:`MASTER_CHECK_S`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
+        self._checked_at = monotonic()
+        self._check_lock = threading.Lock()
+
+    def check_master(self) -> tuple[str, int] | None:
+        """Ask the sentinels for the master if the last answer is old; return the address.
+
+        A changed answer drops the idle connections (redis-py's
+        ``get_master_address``). Sentinels that do not answer leave the pool as
+        it is: its connections ask them again when they connect. While one
+        thread asks, the others go on with the answer the pool has.
+        """
+        if monotonic() - self._checked_at >= MASTER_CHECK_S and self._check_lock.acquire(
+            blocking=False
+        ):
+            try:
+                self._checked_at = monotonic()
+                self.get_master_address()  # type: ignore[no-untyped-call]
+            except redis.RedisError:
+                pass
+            finally:
+                self._check_lock.release()
+        address: tuple[str, int] | None = self.master_address
+        return address
+
+    def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        self.check_master()
+        return super().get_connection(*args, **kwargs)
 
 
 class SentinelChannel(Channel):
@@ -107,8 +155,24 @@ class SentinelChannel(Channel):
             **params,
         )
         self._sentinels.append(sentinel)
-        client = sentinel.master_for(self.master_name, redis.Redis)  # type: ignore[no-untyped-call]
+        client = sentinel.master_for(  # type: ignore[no-untyped-call]
+            self.master_name, redis.Redis, connection_pool_class=MasterFollowingPool
+        )
         return client.connection_pool
+
+    def _brpop_start(self, timeout: float | None = None) -> None:
+        """Send the blocking claim, unless its connection is on a master no longer named."""
+        conn = self.client.connection
+        pool = self.client.connection_pool
+        if conn is not None and conn._sock is not None and isinstance(pool, MasterFollowingPool):
+            master = pool.check_master()
+            if master is not None and (conn.host, conn.port) != tuple(master):
+                conn.disconnect()
+                raise redis.ConnectionError(
+                    f"celery_emq: the sentinels now name {master[0]}:{master[1]} the master "
+                    f"of {self.master_name!r}; the consumer reconnects there"
+                )
+        super()._brpop_start(timeout)
 
     def close(self) -> None:
         super().close()

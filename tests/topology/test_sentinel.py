@@ -15,6 +15,7 @@ from kombu.exceptions import OperationalError
 
 import celery_emq  # noqa: F401  (registers emq://)
 from celery_emq.errors import InvalidOptionError
+from celery_emq.sentinel import MASTER_CHECK_S
 
 from .sentinel_servers import SentinelTopology
 
@@ -212,4 +213,65 @@ def test_every_connection_follows_the_master_through_a_failover(
         finally:
             promoted.close()
     finally:
+        conn.release()
+
+
+def _name_another_master(topo: SentinelTopology) -> tuple[str, int]:
+    """Make the sentinels name the replica the master while the old master stays writable.
+
+    The replica becomes a master of its own and every sentinel monitors it in
+    place of the old one, which keeps running and taking writes: what the
+    clients of a failed-over deployment meet when the old master is not
+    demoted at once (a second failover, or a partition that heals late).
+    """
+    new = ("127.0.0.1", topo.replica.port)
+    topo.replica.client().execute_command("REPLICAOF", "NO", "ONE")
+    for s in topo.sentinels:
+        c = s.client()
+        try:
+            c.execute_command("SENTINEL", "REMOVE", topo.master_name)
+            c.execute_command("SENTINEL", "MONITOR", topo.master_name, new[0], new[1], 2)
+        finally:
+            c.close()
+    assert topo.master_address() == new
+    return new
+
+
+def test_connections_leave_a_master_the_sentinels_no_longer_name(
+    own_sentinel_topology: SentinelTopology, prefix: str
+) -> None:
+    topo = own_sentinel_topology
+    conn = connect(topo, prefix)
+    old = redis.Redis(host="127.0.0.1", port=topo.master.port, db=3)
+    try:
+        q = queue()
+        Producer(conn).publish({"n": 1}, exchange=q.exchange, routing_key="q", declare=[q])
+        assert drain(conn, q, 1) == [{"n": 1}]
+        channel = conn.default_channel
+        new = _name_another_master(topo)
+        promoted = redis.Redis(host=new[0], port=new[1], db=3)
+        # No connection broke: each must find out by asking the sentinels again.
+        time.sleep(MASTER_CHECK_S + 0.5)
+        Producer(conn).publish({"n": 2}, exchange=q.exchange, routing_key="q", declare=[q])
+        pending = f"{prefix}emq:{{q}}:pending"
+        assert (promoted.zcard(pending), old.zcard(pending)) == (1, 0)
+        # The consumer's blocking claim sat on the old master: it is dropped as a
+        # connection error (Celery reconnects), and the reconnected consumer
+        # claims from the new master.
+        got: list[Any] = []
+        errors: list[str] = []
+        for _ in range(5):
+            try:
+                got = drain(conn, q, 1)
+                break
+            except conn.recoverable_connection_errors as exc:
+                errors.append(f"{type(exc).__module__}.{type(exc).__name__}: {exc}")
+                conn.ensure_connection(max_retries=5)
+        assert got == [{"n": 2}], errors
+        assert any(f"{new[1]}" in e for e in errors), errors
+        assert channel.store.client.connection_pool.get_master_address() == new
+        assert promoted.zcard(pending) == 0
+        promoted.close()
+    finally:
+        old.close()
         conn.release()
