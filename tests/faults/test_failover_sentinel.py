@@ -154,9 +154,15 @@ def test_a_worker_consumes_again_after_a_failover(
         _promotion_watch(topo, old, promotion)
         assert "promoted_at" in promotion, "no replica was promoted"
         promoted_at = promotion["promoted_at"]
-        # The old master comes back empty; the sentinels make it a replica of
-        # the new one (and WAIT has a replica to count again).
+        # The old master comes back empty, as a replica of the new one (and WAIT
+        # has a replica to count again). Started as a master it would be an
+        # empty writable master until the sentinels convert it, and a sentinel
+        # that stalled through the failover could fail over onto it, emptying
+        # the master that holds the queues (see docs/deployment.md).
+        new = topo.master_address()
+        assert new is not None and new != old
         restarted = topo.master if topo.master.port == old[1] else topo.replica
+        restarted.extra = ("--replicaof", new[0], str(new[1]))
         restarted.start()
         thread.join(120)
         assert publisher.published.is_set(), "the publisher did not finish"
