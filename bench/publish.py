@@ -7,6 +7,11 @@ transports pay the same import and connection costs outside the timed loop:
     python -m bench.publish noop 1000 --countdown 3600
     python -m bench.publish stamp 2000 --rate 200      # paced: 200 tasks/s
     python -m bench.publish nap 1000 --arg 300
+    python -m bench.publish drained 2000 --no-store    # Celery's and kombu's part alone
+
+``--no-store`` replaces the transport's ``_put`` (the one call that stores a
+message in Redis) with one that stores nothing: what is left is the publish's
+cost outside the transport's own work (``bench/publish_parts.py``).
 """
 
 from __future__ import annotations
@@ -22,9 +27,15 @@ def main() -> None:
     ap.add_argument("--countdown", type=float, default=None)
     ap.add_argument("--rate", type=float, default=0, help="tasks a second (0: as fast as it can)")
     ap.add_argument("--arg", type=float, default=None, help="the task's one argument")
+    ap.add_argument(
+        "--no-store", action="store_true", help="the transport stores nothing (see above)"
+    )
     args = ap.parse_args()
 
     import bench.app as b
+
+    if args.no_store:
+        _store_nothing()
 
     task = getattr(b, args.task)
     options = {} if args.countdown is None else {"countdown": args.countdown}
@@ -40,6 +51,19 @@ def main() -> None:
             task.apply_async(args=_args(args), producer=producer, **options)
         elapsed = time.perf_counter() - t0
     print(elapsed, flush=True)
+
+
+def _store_nothing() -> None:
+    """Make both transports' ``_put`` a no-op (everything before it still runs)."""
+    from kombu.transport import redis as kombu_redis
+
+    from celery_emq import transport
+
+    def put(self: object, queue: str, message: dict[str, object], **kwargs: object) -> None:
+        return None
+
+    kombu_redis.Channel._put = put
+    transport.Channel._put = put
 
 
 def _args(args: argparse.Namespace) -> tuple[float, ...]:

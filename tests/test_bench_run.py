@@ -198,3 +198,26 @@ def test_a_terminated_run_stops_its_worker_and_its_redis(tmp_path: Path) -> None
                         os.killpg(pid, signal.SIGKILL)
                     else:
                         os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_publish_parts_splits_a_publish(redis_url: str) -> None:
+    from urllib.parse import urlsplit
+
+    url = urlsplit(redis_url)
+    where = ["--host", url.hostname or "127.0.0.1", "--port", str(url.port or 6379)]
+    where += ["--db", url.path.strip("/") or "0"]
+    cmd = [sys.executable, "bench/publish_parts.py", "--tasks", "300", "--rounds", "1", "--json"]
+    out = subprocess.run(
+        [*cmd, *where],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    med = json.loads(out.stdout.strip().splitlines()[-1])
+    for scheme in ("redis", "emq"):
+        # Storing nothing skips at least the round trip to Redis.
+        assert 0 < med[f"{scheme} no-store"] < med[scheme], med
+    assert "the transport's part" in out.stdout
