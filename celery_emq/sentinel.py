@@ -18,16 +18,22 @@ promoted replica after a failover.
 A connection that never breaks would never ask again: after a failover the old
 master may go on taking writes until the sentinels demote it (it came back
 before they did, or a second failover left two masters for a while), and
-whatever a client writes there is lost when it resyncs. So each pool asks the
-sentinels again at most every :data:`MASTER_CHECK_S` when a connection is taken
-from it, and drops its idle connections when the answer changed (redis-py drops
-the busy ones as they come back); the consumer's blocking claim, which holds its
-connection for good, is dropped as a connection error, and Celery reconnects.
+whatever a client writes there is lost when it resyncs. So a thread of each
+pool in use asks the sentinels again every :data:`MASTER_CHECK_S` and drops the
+pool's idle connections when the answer changed (redis-py drops the busy ones as
+they come back); the consumer's blocking claim, which holds its connection for
+good, is dropped as a connection error when it is on a server no longer named,
+and Celery reconnects. The asking is done off the threads that use the pool:
+sentinels that do not answer (or answer slowly) never hold up a publish, a lease
+renewal or the event loop.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+import time
+import weakref
 from time import monotonic
 from typing import Any
 
@@ -41,45 +47,61 @@ from .transport import Channel
 
 __all__ = ["MASTER_CHECK_S", "SentinelChannel"]
 
-#: How often (at most) a pool asks the sentinels again which server is the master.
+#: How often a pool in use asks the sentinels again which server is the master.
 MASTER_CHECK_S = 1.0
+#: A pool not used for this long is not asked about (its next use resumes the asking).
+WATCH_IDLE_S = 30.0
 
 #: The sentinel transport options, as kombu's ``sentinel://`` transport names them.
 SENTINEL_OPTIONS = ("master_name", "min_other_sentinels", "sentinel_kwargs")
 
 
 class MasterFollowingPool(SentinelConnectionPool):
-    """A pool to the master that asks the sentinels again every :data:`MASTER_CHECK_S`."""
+    """A pool to the master whose watcher asks the sentinels again every :data:`MASTER_CHECK_S`."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
-        self._checked_at = monotonic()
-        self._check_lock = threading.Lock()
+        self.used_at = monotonic()
+        #: The process whose watcher thread watches this pool (none after a fork).
+        self.watched_in: int | None = None
 
-    def check_master(self) -> tuple[str, int] | None:
-        """Ask the sentinels for the master if the last answer is old; return the address.
+    def watch(self) -> tuple[str, int] | None:
+        """Note a use, start this process's watcher if none runs; return the master known.
 
-        A changed answer drops the idle connections (redis-py's
-        ``get_master_address``). Sentinels that do not answer leave the pool as
-        it is: its connections ask them again when they connect. While one
-        thread asks, the others go on with the answer the pool has.
+        Two threads racing here may start two watchers: harmless, both ask.
         """
-        if monotonic() - self._checked_at >= MASTER_CHECK_S and self._check_lock.acquire(
-            blocking=False
-        ):
-            try:
-                self._checked_at = monotonic()
-                self.get_master_address()  # type: ignore[no-untyped-call]
-            except redis.RedisError:
-                pass
-            finally:
-                self._check_lock.release()
+        self.used_at = monotonic()
+        if self.watched_in != os.getpid():
+            self.watched_in = os.getpid()
+            threading.Thread(
+                target=_watch_master, args=(weakref.ref(self),), name="emq-sentinel", daemon=True
+            ).start()
         address: tuple[str, int] | None = self.master_address
         return address
 
     def get_connection(self, *args: Any, **kwargs: Any) -> Any:
-        self.check_master()
+        self.watch()
         return super().get_connection(*args, **kwargs)
+
+
+def _watch_master(ref: weakref.ref[MasterFollowingPool]) -> None:
+    """Ask the sentinels for a pool's master every MASTER_CHECK_S while the pool lives.
+
+    A changed answer drops the pool's idle connections (redis-py's
+    ``get_master_address``). Sentinels that do not answer leave the pool as it
+    is: its connections ask them again when they connect.
+    """
+    while True:
+        time.sleep(MASTER_CHECK_S)
+        pool = ref()
+        if pool is None or pool.watched_in != os.getpid():
+            return
+        if monotonic() - pool.used_at < WATCH_IDLE_S:
+            try:
+                pool.get_master_address()  # type: ignore[no-untyped-call]
+            except redis.RedisError:
+                pass
+        del pool
 
 
 class SentinelChannel(Channel):
@@ -165,7 +187,7 @@ class SentinelChannel(Channel):
         conn = self.client.connection
         pool = self.client.connection_pool
         if conn is not None and conn._sock is not None and isinstance(pool, MasterFollowingPool):
-            master = pool.check_master()
+            master = pool.watch()
             if master is not None and (conn.host, conn.port) != tuple(master):
                 conn.disconnect()
                 raise redis.ConnectionError(

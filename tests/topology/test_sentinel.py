@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -250,8 +251,12 @@ def test_connections_leave_a_master_the_sentinels_no_longer_name(
         channel = conn.default_channel
         new = _name_another_master(topo)
         promoted = redis.Redis(host=new[0], port=new[1], db=3)
-        # No connection broke: each must find out by asking the sentinels again.
-        time.sleep(MASTER_CHECK_S + 0.5)
+        # No connection broke: each pool must find out by asking the sentinels again.
+        store_pool = channel.store.client.connection_pool
+        deadline = time.monotonic() + 10 * MASTER_CHECK_S
+        while store_pool.master_address != new and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert store_pool.master_address == new
         Producer(conn).publish({"n": 2}, exchange=q.exchange, routing_key="q", declare=[q])
         pending = f"{prefix}emq:{{q}}:pending"
         assert (promoted.zcard(pending), old.zcard(pending)) == (1, 0)
@@ -269,9 +274,45 @@ def test_connections_leave_a_master_the_sentinels_no_longer_name(
                 conn.ensure_connection(max_retries=5)
         assert got == [{"n": 2}], errors
         assert any(f"{new[1]}" in e for e in errors), errors
+        assert (channel.client.connection.host, channel.client.connection.port) == new
         assert channel.store.client.connection_pool.get_master_address() == new
         assert promoted.zcard(pending) == 0
         promoted.close()
     finally:
         old.close()
+        conn.release()
+
+
+def test_sentinels_that_do_not_answer_hold_up_no_command(
+    own_sentinel_topology: SentinelTopology, prefix: str
+) -> None:
+    """The master is asked about off the threads that use a pool."""
+    topo = own_sentinel_topology
+    conn = connect(topo, prefix)
+    try:
+        q = queue()
+        producer = Producer(conn)
+        producer.publish({"n": 0}, exchange=q.exchange, routing_key="q", declare=[q])
+        store = conn.default_channel.store
+        for s in topo.sentinels:
+            assert s.proc is not None
+            s.proc.send_signal(signal.SIGSTOP)
+        try:
+            # Several check periods pass while every sentinel hangs.
+            slowest = 0.0
+            deadline = time.monotonic() + 4 * MASTER_CHECK_S
+            n = 0
+            while time.monotonic() < deadline:
+                t0 = time.monotonic()
+                producer.publish({"n": n}, exchange=q.exchange, routing_key="q", declare=[q])
+                store.client.ping()
+                slowest = max(slowest, time.monotonic() - t0)
+                n += 1
+                time.sleep(0.05)
+        finally:
+            for s in topo.sentinels:
+                s.proc.send_signal(signal.SIGCONT)
+        assert slowest < 0.5, slowest
+        assert store.size("q") == n + 1
+    finally:
         conn.release()
