@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import signal
@@ -18,6 +19,13 @@ from pathlib import Path
 import redis
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def add_redis_options(ap: argparse.ArgumentParser) -> None:
+    """The Redis a single-figure benchmark runs on: ``--host``, ``--port``, ``--db`` (12)."""
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=6379)
+    ap.add_argument("--db", type=int, default=12)
 
 
 def round_env(scheme: str, host: str, port: int, db: int, **extra: str) -> dict[str, str]:

@@ -27,7 +27,7 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import ROOT, bench_worker, round_env
+from bench._common import ROOT, add_redis_options, bench_worker, round_env
 
 
 def one_round(scheme: str, args: argparse.Namespace) -> dict[str, float]:
@@ -88,9 +88,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", type=int, default=2)
     ap.add_argument("--acks-late", action="store_true")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=6379)
-    ap.add_argument("--db", type=int, default=12)
+    add_redis_options(ap)
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument(
         "--roundtrips", action="store_true", help="count client round trips to Redis per task"

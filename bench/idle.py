@@ -19,7 +19,7 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import bench_worker, round_env
+from bench._common import add_redis_options, bench_worker, round_env
 
 
 def idle_rate(scheme: str, args: argparse.Namespace) -> float:
@@ -37,9 +37,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seconds", type=float, default=20)
     ap.add_argument("--settle", type=float, default=6)
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=6379)
-    ap.add_argument("--db", type=int, default=12)
+    add_redis_options(ap)
     args = ap.parse_args()
     rates = {scheme: idle_rate(scheme, args) for scheme in ("redis", "emq")}
     print(f"idle prefork worker -c 2, {args.seconds:g} s window, Redis commands per second:")

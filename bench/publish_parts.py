@@ -25,7 +25,7 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import ROOT, round_env, scan_delete
+from bench._common import ROOT, add_redis_options, round_env, scan_delete
 
 SCHEMES = ("redis", "emq")
 
@@ -54,9 +54,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tasks", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=6379)
-    ap.add_argument("--db", type=int, default=12)
+    add_redis_options(ap)
     ap.add_argument("--json", action="store_true", help="print the medians as JSON too")
     args = ap.parse_args()
     us: dict[tuple[str, bool], list[float]] = {(s, st): [] for s in SCHEMES for st in (True, False)}
