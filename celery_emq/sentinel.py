@@ -133,6 +133,7 @@ class SentinelChannel(Channel):
         if skw is not None and not isinstance(skw, dict):
             raise InvalidOptionError("sentinel_kwargs", skw, "a dict of connection arguments")
         self._sentinels: list[Sentinel] = []
+        self._pools: list[MasterFollowingPool] = []
         super().__init__(connection, *args, **kwargs)
 
     @property
@@ -180,6 +181,7 @@ class SentinelChannel(Channel):
         client = sentinel.master_for(  # type: ignore[no-untyped-call]
             self.master_name, redis.Redis, connection_pool_class=MasterFollowingPool
         )
+        self._pools.append(client.connection_pool)
         return client.connection_pool
 
     def _brpop_start(self, timeout: float | None = None) -> None:
@@ -198,6 +200,10 @@ class SentinelChannel(Channel):
 
     def close(self) -> None:
         super().close()
+        # Their watchers stop, so nothing asks the sentinels for a closed channel
+        # (a pool used again starts a watcher again).
+        for pool in self._pools:
+            pool.watched_in = None
         # The connections to the sentinels themselves; any later use reopens them.
         for sentinel in self._sentinels:
             for client in sentinel.sentinels:
