@@ -13,6 +13,7 @@ __all__ = [
     "ReplicasUnconfirmedError",
     "ScriptContractError",
     "StalledJobError",
+    "UnknownJobError",
 ]
 
 
@@ -122,3 +123,22 @@ class ReplicasUnconfirmedError(EmqError, OperationalError):
             type(self),
             (self.queue, self.job_id, self.confirmed, self.wanted, self.timeout_ms),
         )
+
+
+class UnknownJobError(EmqError, LookupError):
+    """Ids given to the morgue name no dead job; nothing was changed.
+
+    ``missing`` holds those ids, in the order given.
+    """
+
+    def __init__(self, missing: list[str], queue: str | None = None) -> None:
+        self.missing = list(missing)
+        self.queue = queue
+        where = f"queue {queue!r}" if queue else "any queue's morgue"
+        super().__init__(
+            f"no dead job with job id or Celery task id {', '.join(map(repr, self.missing))} "
+            f"in {where}; nothing changed"
+        )
+
+    def __reduce__(self) -> tuple[type[UnknownJobError], tuple[list[str], str | None]]:
+        return (type(self), (self.missing, self.queue))
