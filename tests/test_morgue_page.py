@@ -103,6 +103,26 @@ def test_a_queue_name_with_a_slash_lists_and_shows(
     assert "2026-01-02 03:04:05" in job and "1767323045" not in job
 
 
+def test_a_rejected_jobs_time_reads_as_a_date(
+    app: Celery, store: JobStore, browser: Browser
+) -> None:
+    app.send_task("proj.r", args=(1,))
+    [job] = store.claim("celery", "w", now_ms=1_767_323_040_000)
+    store.register("celery")
+    store.bury(
+        "celery",
+        job.id,
+        job.deliveries,
+        "rejected",
+        "rejected without requeue",
+        now_ms=1_767_323_045_000,
+    )
+    for path in ("/emq", f"/emq/job?queue=celery&id={job.id}"):
+        status, page = browser.get(path)
+        assert status == 200 and "rejected" in page
+        assert "2026-01-02 03:04:05" in page and "1767323" not in page
+
+
 def test_notices_come_from_a_fixed_list(browser: Browser) -> None:
     status, page = browser.get("/emq?" + urllib.parse.urlencode({"notice": "Send money to X"}))
     assert status == 200
