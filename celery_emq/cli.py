@@ -395,13 +395,13 @@ def _bulk(verb: str, morgue: Morgue, args: dict[str, Any], all_: bool, force: bo
 def _act(
     ctx: click.Context,
     verb: str,
+    act: Callable[[Morgue, list[str] | None, dict[str, Any]], Any],
     job_ids: Sequence[str],
     all_: bool,
     force: bool,
     dry_run: bool,
     as_json: bool,
-    filters: dict[str, Any],
-    act: Callable[[Morgue, list[str] | None, dict[str, Any]], Any],
+    **filters: Any,
 ) -> None:
     """What ``dead retry`` and ``dead purge`` share: select, check, confirm, act, report."""
     args = _selected(job_ids, all_, filters)
@@ -469,34 +469,14 @@ def _acting(f: Callable[..., Any]) -> Callable[..., Any]:
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
-def dead_retry(
-    ctx: click.Context,
-    /,
-    job_ids: tuple[str, ...],
-    all_: bool,
-    force: bool,
-    dry_run: bool,
-    rate: float,
-    as_json: bool,
-    **filters: Any,
-) -> None:
+def dead_retry(ctx: click.Context, /, rate: float, **params: Any) -> None:
     """Retry dead jobs (job or Celery task ids): to the front of their queue, stalls reset.
 
     Every id given must name a dead job, or nothing is retried and the command
     fails naming those that do not. Every dead job (of a queue) takes --all;
     on a terminal, --all and filters ask first (-f does not).
     """
-    _act(
-        ctx,
-        "retry",
-        job_ids,
-        all_,
-        force,
-        dry_run,
-        as_json,
-        filters,
-        lambda morgue, ids, kwargs: morgue.retry(ids, rate_per_s=rate, **kwargs),
-    )
+    _act(ctx, "retry", lambda m, ids, kw: m.retry(ids, rate_per_s=rate, **kw), **params)
 
 
 @dead.command("purge")
@@ -504,17 +484,7 @@ def dead_retry(
 @click.option("--older-than", type=str, help="Only jobs that died longer ago: 90s, 30m, 2h, 7d.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
-def dead_purge(
-    ctx: click.Context,
-    /,
-    job_ids: tuple[str, ...],
-    all_: bool,
-    force: bool,
-    dry_run: bool,
-    older_than: str | None,
-    as_json: bool,
-    **filters: Any,
-) -> None:
+def dead_purge(ctx: click.Context, /, older_than: str | None, **params: Any) -> None:
     """Delete dead jobs for good (by job or Celery task id, --all or filters).
 
     Every id given must name a dead job, or nothing is deleted and the command
@@ -522,18 +492,8 @@ def dead_purge(
     on a terminal, --all and filters ask first (-f does not).
     """
     if older_than is not None:
-        filters["until"] = older_than
-    _act(
-        ctx,
-        "purge",
-        job_ids,
-        all_,
-        force,
-        dry_run,
-        as_json,
-        filters,
-        lambda morgue, ids, kwargs: morgue.purge(ids, **kwargs),
-    )
+        params["until"] = older_than
+    _act(ctx, "purge", lambda m, ids, kw: m.purge(ids, **kw), **params)
 
 
 @emq.command()

@@ -13,7 +13,9 @@ from click.testing import CliRunner, Result
 from celery_emq import cli
 from celery_emq.cli import emq as emq_cli
 from celery_emq.store import JobStore
-from tests.test_morgue import kill, snapshot
+from tests.test_morgue import snapshot, two_dead
+
+__all__ = ["two_dead"]  # the fixture the `dead` one builds on
 
 
 def run(app: Celery, *args: str, input: str | None = None) -> Result:
@@ -21,12 +23,9 @@ def run(app: Celery, *args: str, input: str | None = None) -> Result:
 
 
 @pytest.fixture
-def dead(app: Celery, store: JobStore) -> dict[str, str]:
+def dead(two_dead: tuple[str, str]) -> dict[str, str]:
     """Two dead jobs: ``a`` in queue ``celery``, ``b`` in queue ``other``."""
-    return {
-        "a": kill(app, store, "proj.a", when_ms=10_000),
-        "b": kill(app, store, "proj.b", queue="other", when_ms=20_000),
-    }
+    return dict(zip("ab", two_dead, strict=True))
 
 
 @pytest.mark.parametrize("verb", ["retry", "purge", "show"])

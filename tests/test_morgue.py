@@ -157,6 +157,15 @@ def snapshot(client: redis.Redis, prefix: str) -> dict[bytes, Any]:
     return out
 
 
+@pytest.fixture
+def two_dead(app: Celery, store: JobStore) -> tuple[str, str]:
+    """Two dead jobs: one in queue ``celery``, one in queue ``other``."""
+    return (
+        kill(app, store, "proj.a", when_ms=10_000),
+        kill(app, store, "proj.b", queue="other", when_ms=20_000),
+    )
+
+
 @pytest.mark.parametrize("verb", ["retry", "purge"])
 @pytest.mark.parametrize(
     "ids",
@@ -164,10 +173,15 @@ def snapshot(client: redis.Redis, prefix: str) -> dict[bytes, Any]:
     ids=["unknown", "mixed", "mixed-queues"],
 )
 def test_an_unknown_id_changes_nothing_and_is_named(
-    app: Celery, store: JobStore, client: redis.Redis, prefix: str, verb: str, ids: list[str]
+    app: Celery,
+    store: JobStore,
+    client: redis.Redis,
+    prefix: str,
+    two_dead: tuple[str, str],
+    verb: str,
+    ids: list[str],
 ) -> None:
-    a = kill(app, store, "proj.a", when_ms=10_000)
-    b = kill(app, store, "proj.b", queue="other", when_ms=20_000)
+    a, b = two_dead
     ids = [{"KNOWN": a, "OTHER": b}.get(i, i) for i in ids]
     before = snapshot(client, prefix)
     with pytest.raises(UnknownJobError) as raised:
@@ -179,10 +193,8 @@ def test_an_unknown_id_changes_nothing_and_is_named(
 
 @pytest.mark.parametrize("verb", ["retry", "purge"])
 def test_an_empty_list_changes_nothing(
-    app: Celery, store: JobStore, client: redis.Redis, prefix: str, verb: str
+    store: JobStore, client: redis.Redis, prefix: str, two_dead: tuple[str, str], verb: str
 ) -> None:
-    kill(app, store, "proj.a", when_ms=10_000)
-    kill(app, store, "proj.b", queue="other", when_ms=20_000)
     before = snapshot(client, prefix)
     assert getattr(Morgue(store), verb)([]) in ([], 0)
     assert getattr(Morgue(store), verb)([], queue="other") in ([], 0)
@@ -191,10 +203,8 @@ def test_an_empty_list_changes_nothing(
 
 @pytest.mark.parametrize("verb", ["retry", "purge"])
 def test_everything_takes_all(
-    app: Celery, store: JobStore, client: redis.Redis, prefix: str, verb: str
+    store: JobStore, client: redis.Redis, prefix: str, two_dead: tuple[str, str], verb: str
 ) -> None:
-    kill(app, store, "proj.a", when_ms=10_000)
-    kill(app, store, "proj.b", queue="other", when_ms=20_000)
     morgue = Morgue(store)
     before = snapshot(client, prefix)
     for call in (
@@ -217,9 +227,8 @@ def test_everything_takes_all(
     assert morgue.ls() == []
 
 
-def test_select_says_what_would_be_acted_on(app: Celery, store: JobStore) -> None:
-    a = kill(app, store, "proj.a", when_ms=10_000)
-    b = kill(app, store, "proj.b", queue="other", when_ms=20_000)
+def test_select_says_what_would_be_acted_on(store: JobStore, two_dead: tuple[str, str]) -> None:
+    a, b = two_dead
     morgue = Morgue(store)
     assert [j.id for j in morgue.select([b, a])] == [b, a]
     assert [j.id for j in morgue.select(all=True)] == [a, b]
