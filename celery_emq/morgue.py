@@ -246,7 +246,7 @@ class Morgue:
                 t0 = time.monotonic()
                 done = self.store.retry(queue, chunk, whole=whole)
                 if whole and not done:
-                    raise UnknownJobError(self.find(chunk, queue)[1], queue)
+                    raise UnknownJobError(self.find(chunk, queue)[1], queue, retried)
                 retried += done
                 if rate_per_s:
                     pause = len(chunk) / rate_per_s - (time.monotonic() - t0)
@@ -273,11 +273,13 @@ class Morgue:
             filters["until_ms"] = self.store.server_ms() - int(older_than_s * 1000)
         whole = job_ids is not None
         n = 0
+        done: list[str] = []
         for queue, ids in self._targets(self.select(job_ids, all=all, **filters)).items():
             deleted = self.store.purge_dead(queue, ids, whole=whole)
             if whole and not deleted:
-                raise UnknownJobError(self.find(ids, queue)[1], queue)
+                raise UnknownJobError(self.find(ids, queue)[1], queue, done)
             n += deleted
+            done += ids
         return n
 
     @staticmethod

@@ -252,3 +252,19 @@ def test_the_scripts_change_nothing_when_one_id_is_not_dead(
     assert snapshot(client, prefix) == before
     assert store.retry("celery", [a, "gone"]) == [a]
     assert store.purge_dead("celery", [b, "gone"]) == 1
+
+
+def test_a_job_gone_between_lookup_and_script_stops_its_queue_only(
+    store: JobStore, client: redis.Redis, two_dead: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = two_dead
+    morgue = Morgue(store)
+    selected = morgue.select([a, b])
+    # Another operator purges b after this call looked it up.
+    store.purge_dead("other", [b])
+    monkeypatch.setattr(morgue, "select", lambda *args, **kwargs: selected)
+    with pytest.raises(UnknownJobError) as raised:
+        morgue.retry([a, b])
+    assert (raised.value.missing, raised.value.done) == ([b], [a])
+    assert "only 1 job(s) before it were acted on" in str(raised.value)
+    assert store.counts("celery")["pending"] == 1
