@@ -252,7 +252,8 @@ class JobStoreModel(RuleBasedStateMachine):
 
     def _ack_model(self, job_id: str, token: str) -> Outcome:
         job = self.jobs[job_id]
-        if job.state == "gone":
+        if job.state in ("gone", "delayed"):
+            # Delayed: the claim was forgotten with the server's last writes.
             return Outcome.NOT_FOUND
         if self._fences(job, token, "ack"):
             # The only mark a stale ack leaves on a live claim: the job is done.
@@ -558,7 +559,7 @@ class JobStoreModel(RuleBasedStateMachine):
         c = self._draw_claim(data, kind)
         before = self._others([c])
         job = self.jobs[c.id]
-        if job.state in ("gone", "dead"):
+        if job.state in ("gone", "dead", "delayed"):
             expected = Outcome.NOT_FOUND
         elif self._fences(job, c.token, "bury"):
             expected = Outcome.FENCED

@@ -8,7 +8,8 @@
   ARGV[1..] id, token pairs (the token is the claim's id; at most 500 pairs)
   Returns one code per pair:
   0 OK        acked under the live claim it names; deleted
-  1 NOT_FOUND no such job (already acked or purged)
+  1 NOT_FOUND no such job (already acked or purged), or one waiting for its ETA (a
+              claim the server forgot with its last writes: the job runs when due)
   2 LEASE_LOST the claim had lapsed and the job waited in pending again; it has
               completed, so it is deleted and will not run again
   4 DEAD      the claim had lapsed and the job was dead-lettered; it has completed,
@@ -41,7 +42,7 @@ for i = 1, #ARGV, 2 do
   local job = base .. 'job:' .. id
   local row = redis.call('HMGET', job, 'state', 'deliveries', 'group', 'claim')
   local code
-  if not row[1] then
+  if not row[1] or row[1] == 'delayed' then
     code = 1
   elseif row[1] == 'active' and live_token(row[4], row[2]) ~= token then
     redis.call('HSET', job, 'completed', 1)

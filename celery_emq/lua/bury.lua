@@ -14,7 +14,8 @@
   ARGV[4] error     human-readable detail
   ARGV[5] now_ms    '' takes the Redis server's clock
   Returns 0 OK (from the live claim it names, or from pending after that claim
-  lapsed: the verdict is on the message), 1 NOT_FOUND (no row, or already dead),
+  lapsed: the verdict is on the message), 1 NOT_FOUND (no row, already dead, or
+  waiting for its ETA: a claim the server forgot with its last writes),
   5 FENCED (another claim holds the job now; untouched but counted in
   <p>:{q}:metrics:fenced, reason:bury), 7 COMPLETED (an older
   claim completed the job: deleted and counted completed, never dead-lettered).
@@ -43,7 +44,7 @@ local function count_fenced(verb)
 end
 
 local row = redis.call('HMGET', job, 'state', 'deliveries', 'group', 'completed', 'claim')
-if not row[1] or row[1] == 'dead' then
+if not row[1] or row[1] == 'dead' or row[1] == 'delayed' then
   return 1
 end
 if row[1] == 'active' then

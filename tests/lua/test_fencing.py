@@ -200,6 +200,28 @@ def test_a_claim_id_left_by_a_later_claim_of_an_earlier_version_is_not_the_live_
     assert live.startswith("2.")
 
 
+@pytest.mark.parametrize("op", ["ack", "bury"])
+def test_a_claim_forgotten_with_a_delayed_job_settles_nothing(
+    op: str, client: redis.Redis, prefix: str
+) -> None:
+    # The server forgets the claim and the promotion before it: the job waits
+    # for its ETA again, and runs when due.
+    store = JobStore(client, prefix + "emq", LEASE_MS)
+    store.enqueue("q", "a", b"{}", now_ms=1, eta_ms=500, task_id="t-a")
+    before = dump_keys(client, prefix)
+    assert store.promote("q", now_ms=600) == 1
+    [lost] = store.claim("q", "w1", now_ms=700)
+    forget_writes(client, prefix, before)
+    kept = snapshot(client, prefix)
+    if op == "ack":
+        assert store.ack("q", "a", lost.token) is Outcome.NOT_FOUND
+    else:
+        assert store.bury("q", "a", lost.token, "rejected", "", now_ms=800) is Outcome.NOT_FOUND
+    assert snapshot(client, prefix) == kept
+    assert store.promote("q", now_ms=900) == 1
+    assert [j.id for j in store.claim("q", "w2", now_ms=900)] == ["a"]
+
+
 def test_a_stale_ack_of_a_pending_job_deletes_it_and_one_marker(
     store: JobStore, client: redis.Redis
 ) -> None:
