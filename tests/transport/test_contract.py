@@ -512,7 +512,7 @@ def simple_roundtrip(url: str, requeue: bool = False, **topts: Any) -> list[tupl
     out: list[tuple[Any, ...]] = []
     with Connection(url, transport_options=topts) as conn, conn.SimpleQueue("sq") as sq:
         sq.put({"hello": "world"}, headers=dict(PUBLISHED_HEADERS), **PUBLISHED_PROPERTIES)
-        for again in ([False, True] if requeue else [False]):
+        for again in [False, True] if requeue else [False]:
             message = sq.get(timeout=5)
             properties = {k: v for k, v in message.properties.items() if k != "delivery_tag"}
             redelivered = properties.pop("delivery_info", {}).get("redelivered", False)
