@@ -267,7 +267,7 @@ def test_a_task_reads_its_claim_from_the_delivery_tag_in_any_process(
     worker = start_worker("-c", "1", "-P", pool)
     got = capp.send_task("tests.e2e.app.claim_of").get(timeout=30)
     assert got["claim"] is not None
-    job_id, token = got["claim"]
+    _job_id, token = got["claim"]
     count, _, nonce = token.partition(".")
     assert (count, len(nonce)) == ("1", 16)
     # The very claim the store holds, and whose start the worker recorded.
