@@ -146,8 +146,9 @@ class JobStore:
     ) -> list[Claimed]:
         """Claim up to ``count`` jobs in priority/FIFO order under a lease.
 
-        Each :class:`Claimed` carries its fencing token (``deliveries``), which
-        every later settle of that claim names.
+        Each :class:`Claimed` carries its fencing token, the claim id
+        (``token``: the delivery count and a nonce no rollback can reissue),
+        which every later settle of that claim names.
         """
         return self.scripts.claim(
             self.keys(queue), now_ms, self.lease_ms, owner, count, held, ttl_ms
@@ -166,7 +167,7 @@ class JobStore:
 
         ``OK`` for a live claim; ``LEASE_LOST`` or ``DEAD`` when the claim had
         lapsed and the job was pending again or dead-lettered (it completed, so
-        it is deleted either way); ``FENCED`` when a newer claim holds the job
+        it is deleted either way); ``FENCED`` when another claim holds the job
         (left to that claim); ``NOT_FOUND`` when it is gone.
         """
         if not claims:
