@@ -69,10 +69,11 @@ JOB_FIELDS: tuple[str, ...] = (
     "state",  # delayed | pending | active | dead
     "priority",  # 1..9 when not 0; lower is consumed first (as the stock Redis transport)
     "stalled",  # stall count (HINCRBY), travels with the job
-    "deliveries",  # how many times the job was claimed: the latest claim's fencing token
+    "deliveries",  # how many times the job was claimed
+    "claim",  # the latest claim's id, <deliveries>.<nonce>: its fencing token
     "eta_ms",  # a delayed job's ETA
     "task",  # a delayed job's Celery task id (for a revoke)
-    "started",  # the token of the latest claim whose task started
+    "started",  # the claim id of the latest claim whose task started
     "completed",  # set when an older claim completed the job while a newer one holds it
     "graced",  # the lease deadline the outage rule granted (once per deadline)
     "owner",  # worker identity holding the lease while active

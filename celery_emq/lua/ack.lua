@@ -5,31 +5,38 @@
   KEYS[4] dead      <p>:{q}:dead (ZSET)
   KEYS[5] completed <p>:{q}:metrics:completed (HASH, field count)
   KEYS[6] base      <p>:{q}: (job rows, lane keys and lanes derive from it)
-  ARGV[1..] id, token pairs (the token is the claim's delivery count; at most 500 pairs)
+  ARGV[1..] id, token pairs (the token is the claim's id; at most 500 pairs)
   Returns one code per pair:
   0 OK        acked under the live claim it names; deleted
-  1 NOT_FOUND no such job (already acked or purged)
+  1 NOT_FOUND no such job (already acked or purged), or one waiting for its ETA (a
+              claim the server forgot with its last writes: the job runs when due)
   2 LEASE_LOST the claim had lapsed and the job waited in pending again; it has
               completed, so it is deleted and will not run again
   4 DEAD      the claim had lapsed and the job was dead-lettered; it has completed,
               so it leaves the morgue
   5 FENCED    another claim holds the job now; it is left to that claim, and only
               marked `completed`: if that claim is then lost (released, lapsed,
-              dead-lettered), the job is deleted as completed instead of run again
+              dead-lettered), the job is deleted as completed instead of run again.
+              Counted in <p>:{q}:metrics:fenced (fields count, reason:ack).
 ]]
 local active, pending, wake, dead, completed = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local base = KEYS[6]
+
 
 local out = {}
 for i = 1, #ARGV, 2 do
   local id, token = ARGV[i], ARGV[i + 1]
   local job = base .. 'job:' .. id
-  local row = redis.call('HMGET', job, 'state', 'deliveries', 'group')
+  local row = redis.call('HMGET', job, 'state', 'deliveries', 'group', 'claim')
+  -- The live claim: its id, or its delivery count if a version that keeps no claim id made it.
+  local live = (row[4] and string.match(row[4], '^%d+') == row[2]) and row[4] or row[2]
   local code
-  if not row[1] then
+  if not row[1] or row[1] == 'delayed' then
     code = 1
-  elseif row[1] == 'active' and row[2] ~= token then
+  elseif row[1] == 'active' and live ~= token then
     redis.call('HSET', job, 'completed', 1)
+    redis.call('HINCRBY', base .. 'metrics:fenced', 'count', 1)
+    redis.call('HINCRBY', base .. 'metrics:fenced', 'reason:ack', 1)
     code = 5
   else
     if row[1] == 'active' then

@@ -9,13 +9,15 @@
   KEYS[6] failed    <p>:{q}:metrics:failed (HASH, fields count and reason:<reason>)
   KEYS[7] base      <p>:{q}: (lane keys and lanes derive from it)
   ARGV[1] id
-  ARGV[2] token     the claim's delivery count
+  ARGV[2] token     the claim's id
   ARGV[3] reason    short machine-readable reason (malformed, rejected, ...)
   ARGV[4] error     human-readable detail
   ARGV[5] now_ms    '' takes the Redis server's clock
   Returns 0 OK (from the live claim it names, or from pending after that claim
-  lapsed: the verdict is on the message), 1 NOT_FOUND (no row, or already dead),
-  5 FENCED (another claim holds the job now; untouched), 7 COMPLETED (an older
+  lapsed: the verdict is on the message), 1 NOT_FOUND (no row, already dead, or
+  waiting for its ETA: a claim the server forgot with its last writes),
+  5 FENCED (another claim holds the job now; untouched but counted in
+  <p>:{q}:metrics:fenced, reason:bury), 7 COMPLETED (an older
   claim completed the job: deleted and counted completed, never dead-lettered).
 ]]
 local active, pending, wake, dead, job = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
@@ -27,12 +29,17 @@ if not now_ms then
   now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
-local row = redis.call('HMGET', job, 'state', 'deliveries', 'group', 'completed')
-if not row[1] or row[1] == 'dead' then
+
+local row = redis.call('HMGET', job, 'state', 'deliveries', 'group', 'completed', 'claim')
+if not row[1] or row[1] == 'dead' or row[1] == 'delayed' then
   return 1
 end
 if row[1] == 'active' then
-  if row[2] ~= token then
+  -- The live claim: its id, or its delivery count if a version that keeps no claim id made it.
+  local live = (row[5] and string.match(row[5], '^%d+') == row[2]) and row[5] or row[2]
+  if live ~= token then
+    redis.call('HINCRBY', base .. 'metrics:fenced', 'count', 1)
+    redis.call('HINCRBY', base .. 'metrics:fenced', 'reason:bury', 1)
     return 5
   end
   redis.call('ZREM', active, id)

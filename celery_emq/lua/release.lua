@@ -10,9 +10,10 @@
   KEYS[6] lanes     <p>:{q}:lanes (ZSET of groups with a lane)
   KEYS[7] base      <p>:{q}: (lane keys derive from it)
   ARGV[1] id
-  ARGV[2] token     the claim's delivery count
+  ARGV[2] token     the claim's id
   ARGV[3] unless_started  1: leave the claim as it is if its task has started
-  Returns 0 OK, 1 NOT_FOUND (not active), 5 FENCED (active under a newer claim; untouched),
+  Returns 0 OK, 1 NOT_FOUND (not active), 5 FENCED (active under another claim;
+  untouched but counted in <p>:{q}:metrics:fenced, reason:release),
   6 STARTED (unless_started, and the claim's task has started; untouched),
   7 COMPLETED (an older claim completed the job: deleted and counted completed).
 ]]
@@ -22,11 +23,17 @@ local id, token, unless_started = ARGV[1], ARGV[2], ARGV[3] == '1'
 
 local BAND = 1099511627776
 
+
 if not redis.call('ZSCORE', active, id) then
   return 1
 end
-local row = redis.call('HMGET', job, 'deliveries', 'priority', 'group', 'started', 'completed')
-if row[1] ~= token then
+local row = redis.call('HMGET', job, 'deliveries', 'priority', 'group', 'started', 'completed',
+  'claim')
+-- The live claim: its id, or its delivery count if a version that keeps no claim id made it.
+local live = (row[6] and string.match(row[6], '^%d+') == row[1]) and row[6] or row[1]
+if live ~= token then
+  redis.call('HINCRBY', base .. 'metrics:fenced', 'count', 1)
+  redis.call('HINCRBY', base .. 'metrics:fenced', 'reason:release', 1)
   return 5
 end
 if unless_started and row[4] == token then

@@ -2,17 +2,24 @@
   A lapsed claim whose task never started (prefetched, waiting for its ETA) is
   requeued uncounted by the sweep.
   KEYS[1] job       <p>:{q}:job:<id> (HASH)
-  ARGV[1] token     the claim's delivery count
-  Returns 0 OK, 1 NOT_FOUND (no row, or not active), 5 FENCED (another claim holds it).
+  KEYS[2] fenced    <p>:{q}:metrics:fenced (HASH, fields count and reason:<verb>)
+  ARGV[1] token     the claim's id
+  Returns 0 OK, 1 NOT_FOUND (no row, or not active), 5 FENCED (another claim holds
+  it; counted, reason:start).
 ]]
-local job = KEYS[1]
+local job, fenced = KEYS[1], KEYS[2]
 local token = ARGV[1]
 
-local row = redis.call('HMGET', job, 'state', 'deliveries')
+
+local row = redis.call('HMGET', job, 'state', 'deliveries', 'claim')
 if row[1] ~= 'active' then
   return 1
 end
-if row[2] ~= token then
+-- The live claim: its id, or its delivery count if a version that keeps no claim id made it.
+local live = (row[3] and string.match(row[3], '^%d+') == row[2]) and row[3] or row[2]
+if live ~= token then
+  redis.call('HINCRBY', fenced, 'count', 1)
+  redis.call('HINCRBY', fenced, 'reason:start', 1)
   return 5
 end
 redis.call('HSET', job, 'started', token)
