@@ -158,6 +158,29 @@ def sleepy_here(self: Any, seconds: float, tag: str) -> str:
     return tag
 
 
+@app.task(bind=True)
+def die_on_go(self: Any, seconds: float, tag: str, victim: str) -> str:
+    """Run like ``sleepy_here``, except the first run on worker ``victim``.
+
+    That run waits (30 s at most) for ``<prefix>go:<tag>`` to exist, then kills
+    its pool process: the worker loses it and charges its claim a stall.
+    """
+    note_run(tag)
+    rec().rpush(PREFIX + "ran-on:" + tag, self.request.hostname)
+    if self.request.hostname.split("@")[0] == victim:
+        if rec().incr(PREFIX + "victim-runs:" + tag) == 1:
+            deadline = time.monotonic() + 30
+            while not rec().exists(PREFIX + "go:" + tag) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(seconds)
+    pipe = rec().pipeline()
+    pipe.rpush(PREFIX + "done", tag)
+    pipe.rpush(PREFIX + "done-on:" + tag, self.request.hostname)
+    pipe.execute()
+    return tag
+
+
 def note_unpickled(prefix: str, tag: str) -> str:
     """Append the loading process's command line to ``<prefix>unpickled:<tag>``.
 

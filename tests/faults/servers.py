@@ -100,6 +100,16 @@ class RedisServer:
         finally:
             c.close()
 
+    def restart_from_snapshot(self) -> None:
+        """SIGKILL the server and start it again from its last ``SAVE`` (``dump.rdb``).
+
+        Every write after that snapshot is lost, as when Redis, persisting by RDB
+        snapshots only (its default), crashes between two of them.
+        """
+        assert not self.aof, "an AOF server restarts from its AOF, not a snapshot"
+        self.stop()
+        self.start()
+
     def stop(self, sig: int = signal.SIGKILL) -> None:
         """Stop the server (SIGKILL by default: a crash) and wait for it."""
         if self.proc is not None and self.proc.poll() is None:

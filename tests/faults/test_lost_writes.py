@@ -1,0 +1,71 @@
+"""Lost writes under real workers: a restart from an RDB snapshot, two masters.
+
+A server that persists by RDB snapshots only (Redis's default) and crashes loses
+every write since its last snapshot; a replica promoted before it received the
+last writes loses them too. These tests take the snapshot (``SAVE``) at the
+moment that makes the loss matter, SIGKILL the server and start it again from
+the snapshot while ``tests.e2e.app`` workers run, and judge from the ledger on
+the suite's Redis (runs, where each ran, results), which the fault cannot touch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import redis
+
+from celery_emq.store import JobStore
+from tests.e2e.app import client_app
+from tests.e2e.harness import Worker, wait_for
+
+from .servers import RedisServer
+from .test_outages import explain, runs, settle
+
+pytestmark = pytest.mark.slow
+
+LEASE_MS = 2000
+ENV = {"EMQ_E2E_LEASE_MS": str(LEASE_MS), "EMQ_E2E_SWEEP_S": "1", "EMQ_E2E_PREFETCH": "1"}
+
+
+def started_claims(store: JobStore) -> list[str]:
+    """The ids of the jobs whose current claim has started (its start record is in)."""
+    ids = [i.decode() for i in store.client.zrange(store.keys("celery").active, 0, -1)]
+    rows = {i: store.job("celery", i) for i in ids}
+    return [i for i, row in rows.items() if row.get("started") == row.get("deliveries")]
+
+
+@pytest.mark.parametrize("max_stalled", [0, 1])
+def test_a_lost_ack_runs_the_job_at_most_once_more_and_its_success_stands(
+    redis_server: Callable[..., RedisServer],
+    fault_worker: Callable[..., Worker],
+    client: redis.Redis,
+    prefix: str,
+    redis_url: str,
+    max_stalled: int,
+) -> None:
+    broker = redis_server()
+    worker = fault_worker(broker, "-c", "1", name="a", EMQ_E2E_MAX_STALLED=str(max_stalled), **ENV)
+    capp = client_app(broker.url, prefix, LEASE_MS, ledger=redis_url)
+    store = JobStore(broker.client(), prefix + "emq", LEASE_MS)
+    result = capp.send_task("tests.e2e.app.sleepy_here", args=(1.5, "t"))
+
+    # The snapshot holds the started claim; the ack that follows is lost with the crash.
+    [job_id] = wait_for(lambda: started_claims(store), 30)
+    assert broker.client().save()
+    assert result.get(timeout=30) == "t"
+    wait_for(lambda: store.job("celery", job_id) == {}, 10)
+    broker.restart_from_snapshot()
+    assert store.job("celery", job_id)["state"] == "active"  # the ack is gone
+
+    # Back as a started claim nobody holds: it lapses and the sweep counts a stall.
+    settle(store, timeout=30)
+    counted = runs(client, prefix)
+    assert counted == {"t": 1 + max_stalled}, explain(client, prefix, ["t"])
+    assert store.metrics("celery")["stalled"] == 1
+    assert (result.state, result.get(timeout=5)) == ("SUCCESS", "t")
+    assert client.hgetall(prefix + "dead-signals") == {}
+    if max_stalled == 0:
+        # Past its budget: retired, yet it had succeeded, so it leaves the morgue as done.
+        assert "after its task succeeded" in worker.text()
+    capp.close()
