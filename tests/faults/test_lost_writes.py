@@ -10,6 +10,7 @@ the suite's Redis (runs, where each ran, results), which the fault cannot touch.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import pytest
@@ -68,4 +69,47 @@ def test_a_lost_ack_runs_the_job_at_most_once_more_and_its_success_stands(
     if max_stalled == 0:
         # Past its budget: retired, yet it had succeeded, so it leaves the morgue as done.
         assert "after its task succeeded" in worker.text()
+    capp.close()
+
+
+def claimed_again(store: JobStore, job_id: str) -> bool:
+    return store.job("celery", job_id).get("state") == "active"
+
+
+@pytest.mark.xfail(strict=True, reason="the fencing token (deliveries) rolls back with the writes")
+def test_a_claim_lost_while_its_worker_runs_it_runs_at_most_twice(
+    redis_server: Callable[..., RedisServer],
+    fault_worker: Callable[..., Worker],
+    client: redis.Redis,
+    prefix: str,
+    redis_url: str,
+) -> None:
+    broker = redis_server()
+    capp = client_app(broker.url, prefix, LEASE_MS, ledger=redis_url)
+    store = JobStore(broker.client(), prefix + "emq", LEASE_MS)
+    # The snapshot holds the job queued and never claimed (its delivery count 0).
+    result = capp.send_task("tests.e2e.app.die_on_go", args=(3.0, "t", "a"))
+    [job_id] = [i.decode() for i in store.client.zrange(store.keys("celery").pending, 0, -1)]
+    assert broker.client().save()
+
+    fault_worker(broker, "-c", "1", name="a", **ENV)
+    wait_for(lambda: runs(client, prefix).get("t") == 1, 30)
+    fault_worker(broker, "-c", "1", name="b", **ENV)
+    # The claim of the run under way on a is lost: the job is queued again, and
+    # the next claim of it repeats the lost one's delivery count.
+    broker.restart_from_snapshot()
+    assert store.job("celery", job_id)["state"] == "pending"
+    wait_for(lambda: claimed_again(store, job_id), 30)
+    time.sleep(0.5)
+    # The first run ends the way a killed worker's does: its worker charges its
+    # claim a stall. That claim is gone; the live one is the re-run's.
+    client.set(prefix + "go:t", 1)
+
+    assert result.get(timeout=30) == "t"
+    settle(store, timeout=20)
+    time.sleep(LEASE_MS / 1000)  # a third run, if any, would have started by now
+    assert runs(client, prefix) == {"t": 2}, explain(client, prefix, ["t"])
+    assert result.state == "SUCCESS"
+    assert client.hgetall(prefix + "dead-signals") == {}
+    assert store.metrics("celery")["failed"] == 0
     capp.close()
