@@ -20,7 +20,7 @@ from celery_emq.store import JobStore
 from tests.e2e.app import client_app
 from tests.e2e.harness import Worker, wait_for
 
-from .servers import RedisServer
+from .servers import RedisServer, StallingProxy
 from .test_outages import explain, runs, settle
 
 pytestmark = pytest.mark.slow
@@ -72,6 +72,10 @@ def test_a_lost_ack_runs_the_job_at_most_once_more_and_its_success_stands(
     capp.close()
 
 
+def pending_ids(store: JobStore) -> list[str]:
+    return [i.decode() for i in store.client.zrange(store.keys("celery").pending, 0, -1)]
+
+
 def claimed_again(store: JobStore, job_id: str) -> bool:
     return store.job("celery", job_id).get("state") == "active"
 
@@ -89,7 +93,7 @@ def test_a_claim_lost_while_its_worker_runs_it_runs_at_most_twice(
     store = JobStore(broker.client(), prefix + "emq", LEASE_MS)
     # The snapshot holds the job queued and never claimed (its delivery count 0).
     result = capp.send_task("tests.e2e.app.die_on_go", args=(3.0, "t", "a"))
-    [job_id] = [i.decode() for i in store.client.zrange(store.keys("celery").pending, 0, -1)]
+    [job_id] = pending_ids(store)
     assert broker.client().save()
 
     fault_worker(broker, "-c", "1", name="a", **ENV)
@@ -112,4 +116,58 @@ def test_a_claim_lost_while_its_worker_runs_it_runs_at_most_twice(
     assert result.state == "SUCCESS"
     assert client.hgetall(prefix + "dead-signals") == {}
     assert store.metrics("celery")["failed"] == 0
+    capp.close()
+
+
+def replicated(replica: redis.Redis) -> bool:
+    info = replica.info("replication")
+    return bool(info.get("master_link_status") == "up")
+
+
+@pytest.mark.xfail(strict=True, reason="the fencing token (deliveries) repeats on two masters")
+def test_two_masters_run_a_job_once_each_and_settle_only_their_own_claim(
+    redis_server: Callable[..., RedisServer],
+    fault_worker: Callable[..., Worker],
+    client: redis.Redis,
+    prefix: str,
+    redis_url: str,
+) -> None:
+    old = redis_server()
+    new = redis_server("--replicaof", "127.0.0.1", str(old.port))
+    wait_for(lambda: replicated(new.client()), 20)
+    capp = client_app(old.url, prefix, LEASE_MS, ledger=redis_url)
+    stores = {s: JobStore(s.client(), prefix + "emq", LEASE_MS) for s in (old, new)}
+    result = capp.send_task("tests.e2e.app.die_on_go", args=(8.0, "t", "a"))
+    [job_id] = pending_ids(stores[old])
+    wait_for(lambda: stores[new].job("celery", job_id), 10)
+    # The replica is made master while the old master still takes writes.
+    new.client().replicaof("NO", "ONE")
+
+    proxy = StallingProxy(old.port)
+    try:
+        fault_worker(old, "-c", "1", name="a", EMQ_E2E_REDIS=proxy.url, **ENV)
+        wait_for(lambda: runs(client, prefix).get("t") == 1, 30)
+        # Each master hands out the job: both claims carry delivery count 1.
+        fault_worker(new, "-c", "1", name="b", **ENV)
+        wait_for(lambda: runs(client, prefix).get("t") == 2, 30)
+        assert stores[old].job("celery", job_id)["deliveries"] == "1"
+        assert stores[new].job("celery", job_id)["deliveries"] == "1"
+        # a's connections move to the new master, where b's claim of the job runs.
+        assert proxy.retarget(new.port) > 0
+        wait_for(lambda: proxy.connections >= 2, 20)
+        time.sleep(1.5)
+        # a's run ends as a killed worker's does: a charges its claim a stall,
+        # a claim the new master never gave it.
+        client.set(prefix + "go:t", 1)
+
+        assert result.get(timeout=30) == "t"
+        settle(stores[new], timeout=20)
+        time.sleep(LEASE_MS / 1000)  # a third run, if any, would have started by now
+    finally:
+        proxy.close()
+    # One run per master (two masters can both hand out a job), never a third.
+    assert runs(client, prefix) == {"t": 2}, explain(client, prefix, ["t"])
+    assert result.state == "SUCCESS"
+    assert client.hgetall(prefix + "dead-signals") == {}
+    assert stores[new].metrics("celery")["failed"] == 0
     capp.close()
