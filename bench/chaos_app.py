@@ -23,6 +23,7 @@ from typing import Any
 from celery import Celery
 
 import celery_emq  # noqa: F401  (registers emq://)
+from celery_emq.worker_state import request_claim
 
 TASK_NAME = "chaos.work"
 
@@ -81,7 +82,7 @@ def _write(record: dict[str, Any]) -> None:
 def work(self: Any, seconds: float) -> None:
     """Sleep ``seconds``, writing the run's start and end to the ledger."""
     run = uuid.uuid4().hex[:16]
-    claim = getattr(self.request, "emq_claim", None) or (None, None, None)
+    job, token = request_claim(self.request) or (None, None)
     _write(
         {
             "e": "S",
@@ -90,8 +91,9 @@ def work(self: Any, seconds: float) -> None:
             "t": time.time(),
             "pid": os.getpid(),
             "worker": self.request.hostname,
-            "job": claim[1],
-            "token": claim[2],
+            "job": job,
+            # The claim's delivery count orders the claims of one job.
+            "token": int(token.split(".")[0]) if token else None,
             "stalled": getattr(self.request, "emq_stalled", 0) or 0,
         }
     )

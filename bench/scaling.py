@@ -114,7 +114,7 @@ def claim_latency(
             dt = time.perf_counter() - t0
             if len(got) != 1:
                 raise RuntimeError(f"claim from {queue} returned {len(got)} jobs")
-            store.ack(queue, got[0].id, got[0].deliveries)
+            store.ack(queue, got[0].id, got[0].token)
             store.enqueue(queue, f"r{i}", PAYLOAD)
             if i >= warmup:
                 times[queue].append(dt * 1000)

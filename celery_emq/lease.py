@@ -5,16 +5,21 @@ that claimed it: after a broker reconnect the new channel claims under the same
 :func:`worker_identity`, and deliveries of the old channel that are still
 running keep their leases and can still be acked.
 
-A claim is a job id and its fencing token (the job's delivery count at the
-claim). The delivery tag kombu and Celery see is :func:`delivery_tag` of the
-two, so two claims of one job (the same job claimed again after its lease was
-lost) are two deliveries, and a settle always names the claim it belongs to.
+A claim is a job id and its fencing token, the claim id (the job's delivery
+count at the claim and a random nonce, ``<deliveries>.<nonce>``: the count can
+repeat after the server loses its last writes, the nonce cannot). The delivery
+tag kombu and Celery see is :func:`delivery_tag` of the two, so two claims of
+one job (the same job claimed again after its lease was lost) are two
+deliveries, and a settle always names the claim it belongs to. The tag is also
+the claim's one carrier: kombu puts it in the message's ``properties``, which
+Celery hands to a pool process as ``task.request.properties``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -51,17 +56,22 @@ ORPHAN_AFTER_S = 300.0
 TAG_SEP = "#"
 
 
-def delivery_tag(job_id: str, token: int) -> str:
+#: A claim's token: ``<deliveries>.<nonce>`` (a bare count: a claim made by an
+#: earlier version, which kept no claim id).
+_TOKEN = re.compile(r"[0-9]+(?:\.[0-9a-f]+)?")
+
+
+def delivery_tag(job_id: str, token: str) -> str:
     """Return the delivery tag of one claim: ``<job id>#<token>``."""
     return f"{job_id}{TAG_SEP}{token}"
 
 
-def parse_tag(tag: str) -> tuple[str, int] | None:
+def parse_tag(tag: str) -> tuple[str, str] | None:
     """Return ``(job id, token)`` of a claim's delivery tag, or ``None``."""
     job_id, sep, token = tag.rpartition(TAG_SEP)
-    if not sep or not token.isdigit():
+    if not sep or not _TOKEN.fullmatch(token):
         return None
-    return job_id, int(token)
+    return job_id, token
 
 
 class Claim(NamedTuple):
@@ -70,7 +80,7 @@ class Claim(NamedTuple):
     store: JobStore
     queue: str
     job_id: str
-    token: int
+    token: str
 
 
 def worker_identity() -> str:
@@ -147,7 +157,7 @@ class LeaseKeeper:
         self,
         store: JobStore,
         queue: str,
-        claims: list[tuple[str, int]],
+        claims: list[tuple[str, str]],
         interval_ms: int,
     ) -> list[str]:
         """Start renewing ``claims`` ``(id, token)`` of ``queue``; return their delivery tags."""
@@ -232,6 +242,11 @@ class LeaseKeeper:
         except Exception as exc:
             logger.warning("celery_emq: could not release %s (%r); its lease will lapse", tag, exc)
             return
+        if outcome is Outcome.FENCED:
+            logger.warning(
+                "celery_emq: release of %s fenced: another claim holds the job now; left to it",
+                tag,
+            )
         if outcome is Outcome.STARTED:
             self.hold(claim.store, claim.queue, [(claim.job_id, claim.token)], self.interval_ms)
             if unseen:
@@ -295,7 +310,7 @@ class LeaseKeeper:
     def renew_once(self, now_ms: int | None = None) -> list[str]:
         """Renew every held lease now; return the delivery tags newly found lost."""
         began = time.monotonic()
-        groups: dict[tuple[int, str], tuple[JobStore, list[tuple[str, int]]]] = {}
+        groups: dict[tuple[int, str], tuple[JobStore, list[tuple[str, str]]]] = {}
         with self._lock:
             for tag, claim in self._held.items():
                 if tag in self._lost:

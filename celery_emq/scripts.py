@@ -7,6 +7,7 @@ Expected outcomes (not found, lease lost, duplicate, dead) come back as an
 from __future__ import annotations
 
 import enum
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -123,8 +124,33 @@ class Claimed:
     payload: bytes
     stalled: int
     deliveries: int
+    #: the claim's id, ``<deliveries>.<nonce>``: its fencing token, which every
+    #: settle of the claim names (see :func:`new_nonce`)
+    token: str
     #: a delayed job promoted by a revoke of its task
     revoked: bool = False
+
+
+def live_token(claim: str | None, deliveries: str | None) -> str:
+    """Return the token of a row's live claim, as the scripts read it.
+
+    The claim id, unless the row was last claimed by an earlier version that
+    kept none: then the delivery count (a rolling upgrade).
+    """
+    if claim and deliveries and claim.split(".", 1)[0] == deliveries:
+        return claim
+    return deliveries or ""
+
+
+def new_nonce() -> str:
+    """Return a fresh random value for one claim call (64 bits from the OS).
+
+    A claim's id joins the job's delivery count with it. The count alone
+    repeats when the server loses its last writes (it rolls back, and the next
+    claim counts the same number again); the nonce is made by the caller, not
+    by the server, so no rollback can issue it again.
+    """
+    return secrets.token_hex(8)
 
 
 def script_source(name: str) -> str:
@@ -143,11 +169,11 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _start_call(k: QueueKeys, job_id: str, token: int) -> tuple[list[str], list[Any]]:
-    return [k.job(job_id)], [token]
+def _start_call(k: QueueKeys, job_id: str, token: str) -> tuple[list[str], list[Any]]:
+    return [k.job(job_id), k.metrics("fenced")], [token]
 
 
-def _ack_call(k: QueueKeys, chunk: Sequence[tuple[str, int]]) -> tuple[list[str], list[Any]]:
+def _ack_call(k: QueueKeys, chunk: Sequence[tuple[str, str]]) -> tuple[list[str], list[Any]]:
     keys = [k.active, k.pending, k.wake, k.dead, k.metrics("completed"), k.base]
     return keys, [x for claim in chunk for x in claim]
 
@@ -264,11 +290,12 @@ class Scripts:
         held: int = 0,
         ttl_ms: int = 0,
     ) -> list[Claimed]:
-        """Claim up to ``count`` jobs, leasing each to ``owner``."""
+        """Claim up to ``count`` jobs, leasing each to ``owner`` under a fresh claim id."""
+        nonce = new_nonce()
         reply = self._run(
             "claim",
             [k.pending, k.active, k.wake, k.seq, k.head, k.lanes, k.cursor, k.expires, k.base],
-            [_time_arg(now_ms), lease_ms, owner, count, held, ttl_ms],
+            [_time_arg(now_ms), lease_ms, owner, count, held, ttl_ms, nonce],
         )
         if len(reply) % 5:
             raise ScriptContractError(f"claim.lua answered {len(reply)} items")
@@ -278,16 +305,17 @@ class Scripts:
                 reply[i + 1],
                 int(reply[i + 2]),
                 int(reply[i + 3]),
+                f"{int(reply[i + 3])}.{nonce}",
                 bool(int(reply[i + 4])),
             )
             for i in range(0, len(reply), 5)
         ]
 
-    def start(self, k: QueueKeys, job_id: str, token: int) -> Outcome:
+    def start(self, k: QueueKeys, job_id: str, token: str) -> Outcome:
         """Record that the claim ``token`` of a job started its task."""
         return _outcome(self._run("start", *_start_call(k, job_id, token)), "start")
 
-    def ack(self, k: QueueKeys, claims: Sequence[tuple[str, int]]) -> list[Outcome]:
+    def ack(self, k: QueueKeys, claims: Sequence[tuple[str, str]]) -> list[Outcome]:
         """Delete finished jobs, each named by its claim (id, token); one outcome each."""
         outcomes: list[Outcome] = []
         for start in range(0, len(claims), ACK_BATCH):
@@ -300,7 +328,7 @@ class Scripts:
         return Batch(self)
 
     def release(
-        self, k: QueueKeys, job_id: str, token: int, unless_started: bool = False
+        self, k: QueueKeys, job_id: str, token: str, unless_started: bool = False
     ) -> Outcome:
         """Return a claimed job to the front of ``pending`` without counting a stall."""
         return _outcome(
@@ -317,25 +345,25 @@ class Scripts:
         k: QueueKeys,
         lease_ms: int,
         now_ms: int | None,
-        claims: Sequence[tuple[str, int]],
-    ) -> list[tuple[str, int]]:
+        claims: Sequence[tuple[str, str]],
+    ) -> list[tuple[str, str]]:
         """Renew the leases of live claims; return the claims that are lost."""
-        lost: list[tuple[str, int]] = []
+        lost: list[tuple[str, str]] = []
         for start in range(0, len(claims), EXTEND_BATCH):
             chunk = claims[start : start + EXTEND_BATCH]
             reply = self._run(
                 "extend",
-                [k.active, k.job_prefix],
+                [k.active, k.job_prefix, k.metrics("fenced")],
                 [lease_ms, _time_arg(now_ms), *(x for claim in chunk for x in claim)],
             )
-            lost.extend((_text(reply[i]), int(reply[i + 1])) for i in range(0, len(reply), 2))
+            lost.extend((_text(reply[i]), _text(reply[i + 1])) for i in range(0, len(reply), 2))
         return lost
 
     def bury(
         self,
         k: QueueKeys,
         job_id: str,
-        token: int,
+        token: str,
         reason: str,
         error: str,
         now_ms: int | None,
@@ -390,7 +418,7 @@ class Scripts:
         max_stalled: int | None,
         reason: str,
         lease_ms: int,
-        claims: Sequence[tuple[str, int]] = (),
+        claims: Sequence[tuple[str, str]] = (),
     ) -> list[Swept]:
         """Count a stall on lapsed (or the named) claims; recover or dead-letter each.
 
@@ -556,14 +584,14 @@ class Batch:
         )
         return self._add([("enqueue", keys, args)], lambda replies: _outcome(replies[0], "enqueue"))
 
-    def start(self, k: QueueKeys, job_id: str, token: int) -> int:
+    def start(self, k: QueueKeys, job_id: str, token: str) -> int:
         """Queue :meth:`Scripts.start`; its result is an :class:`Outcome`."""
         return self._add(
             [("start", *_start_call(k, job_id, token))],
             lambda replies: _outcome(replies[0], "start"),
         )
 
-    def ack(self, k: QueueKeys, claims: Sequence[tuple[str, int]]) -> int:
+    def ack(self, k: QueueKeys, claims: Sequence[tuple[str, str]]) -> int:
         """Queue :meth:`Scripts.ack`; its result is one :class:`Outcome` per claim."""
         chunks = [claims[i : i + ACK_BATCH] for i in range(0, len(claims), ACK_BATCH)]
 

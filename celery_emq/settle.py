@@ -195,9 +195,17 @@ class SettleBatcher:
                 except Exception as exc:
                     _start_failed(claim, exc)
                     continue
-                if outcome is not Outcome.OK:
+                if outcome is Outcome.FENCED:
+                    logger.warning(
+                        "celery_emq: start of %s in %s (claim %s) fenced: another claim "
+                        "holds the job now",
+                        claim.job_id,
+                        claim.queue,
+                        claim.token,
+                    )
+                elif outcome is not Outcome.OK:
                     logger.debug(
-                        "celery_emq: start of %s in %s (claim %d) not recorded: %s",
+                        "celery_emq: start of %s in %s (claim %s) not recorded: %s",
                         claim.job_id,
                         claim.queue,
                         claim.token,
@@ -255,7 +263,7 @@ def _log_ack_outcomes(queue: str, claims: list[Claim], outcomes: list[Outcome]) 
     for claim, outcome in zip(claims, outcomes, strict=True):
         if outcome is not Outcome.OK:
             logger.warning(
-                "celery_emq: ack of %s in %s (claim %d): %s",
+                "celery_emq: ack of %s in %s (claim %s): %s",
                 claim.job_id,
                 queue,
                 claim.token,

@@ -153,15 +153,15 @@ class JobStore:
             self.keys(queue), now_ms, self.lease_ms, owner, count, held, ttl_ms
         )
 
-    def start(self, queue: str, job_id: str, token: int) -> Outcome:
+    def start(self, queue: str, job_id: str, token: str) -> Outcome:
         """Record that a claim's task started: a lapse of that claim is then a stall."""
         return self.scripts.start(self.keys(queue), job_id, token)
 
-    def ack(self, queue: str, job_id: str, token: int) -> Outcome:
+    def ack(self, queue: str, job_id: str, token: str) -> Outcome:
         """Delete a finished job (see :meth:`ack_many` for the outcomes)."""
         return self.scripts.ack(self.keys(queue), [(job_id, token)])[0]
 
-    def ack_many(self, queue: str, claims: Sequence[tuple[str, int]]) -> list[Outcome]:
+    def ack_many(self, queue: str, claims: Sequence[tuple[str, str]]) -> list[Outcome]:
         """Delete finished jobs, each named by its claim ``(id, token)``.
 
         ``OK`` for a live claim; ``LEASE_LOST`` or ``DEAD`` when the claim had
@@ -173,7 +173,7 @@ class JobStore:
             return []
         return self.scripts.ack(self.keys(queue), claims)
 
-    def release(self, queue: str, job_id: str, token: int, unless_started: bool = False) -> Outcome:
+    def release(self, queue: str, job_id: str, token: str, unless_started: bool = False) -> Outcome:
         """Put a claimed job back at the front of its queue, uncounted.
 
         With ``unless_started``, a claim whose task has started (as recorded by
@@ -182,8 +182,8 @@ class JobStore:
         return self.scripts.release(self.keys(queue), job_id, token, unless_started)
 
     def extend(
-        self, queue: str, claims: Sequence[tuple[str, int]], now_ms: int | None = None
-    ) -> list[tuple[str, int]]:
+        self, queue: str, claims: Sequence[tuple[str, str]], now_ms: int | None = None
+    ) -> list[tuple[str, str]]:
         """Renew the leases of ``claims`` ``(id, token)``; return those that are lost."""
         if not claims:
             return []
@@ -193,7 +193,7 @@ class JobStore:
         self,
         queue: str,
         job_id: str,
-        token: int,
+        token: str,
         reason: str,
         error: str = "",
         now_ms: int | None = None,
@@ -225,7 +225,7 @@ class JobStore:
         self,
         queue: str,
         job_id: str,
-        token: int,
+        token: str,
         max_stalled: int | None,
         reason: str,
         now_ms: int | None = None,
@@ -356,6 +356,21 @@ class JobStore:
                 pipe.hget(k.metrics(name), "count")
             values = pipe.execute()
         return {name: int(v or 0) for name, v in zip(METRICS, values, strict=True)}
+
+    def fenced(self, queue: str) -> dict[str, int]:
+        """Return how many settles named a claim that was not the live one, by verb.
+
+        Verbs: ``ack``, ``extend``, ``release``, ``bury``, ``charge``, ``start``.
+        Such a settle changes nothing of the live claim (a fenced ack only marks
+        the job completed); each one means two runs of a job overlapped, most
+        often after the server lost its last writes.
+        """
+        counts = self.client.hgetall(self.keys(queue).metrics("fenced"))
+        return {
+            _text(f).removeprefix("reason:"): int(v)
+            for f, v in counts.items()
+            if _text(f).startswith("reason:")
+        }
 
     def purge(self, queue: str) -> int:
         """Delete every waiting job of the queue (pending and delayed); return how many."""

@@ -136,18 +136,26 @@ class Sweeper:
         return reports
 
     def charge(
-        self, queue: str, job_id: str, token: int, reason: str, max_stalled: int | None
+        self, queue: str, job_id: str, token: str, reason: str, max_stalled: int | None
     ) -> Swept | None:
         """Count one stall on a live claim whose pool process died (fenced by ``token``)."""
         swept = self.store.charge(queue, job_id, token, max_stalled, reason)
-        if swept is not None:
+        if swept is None:
+            logger.warning(
+                "celery_emq: stall of job %s in %s (claim %s) not charged: that claim is "
+                "no longer the job's live claim (settled, or fenced by another)",
+                job_id,
+                queue,
+                token,
+            )
+        else:
             report = SweepReport(queue)
             self._after(queue, [swept], report, reason)
             if report.dead:
                 self.trim(queue)
         return swept
 
-    def bury(self, queue: str, job_id: str, token: int, reason: str, error: str) -> bool:
+    def bury(self, queue: str, job_id: str, token: str, reason: str, error: str) -> bool:
         """Dead-letter one job that cannot or will not run; return whether it moved.
 
         Fenced by the claim's ``token``: a newer claim of the job is left alone.

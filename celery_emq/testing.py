@@ -156,12 +156,15 @@ class EmqTestKit:
         Raises:
             TimeoutError: not started within ``timeout`` seconds.
         """
+        from .scripts import live_token
+
         deadline = time.monotonic() + timeout
         while True:
             found = self.find(ident, queue)
             if found is not None:
                 job = self.store.job(*found)
-                if job.get("state") == "active" and job.get("started") == job.get("deliveries"):
+                live = live_token(job.get("claim"), job.get("deliveries"))
+                if job.get("state") == "active" and job.get("started") == live:
                     return found[1]
             if time.monotonic() >= deadline:
                 raise TimeoutError(
@@ -181,6 +184,8 @@ class EmqTestKit:
         Raises:
             LookupError: no active job of ``ident``.
         """
+        from .scripts import live_token, new_nonce
+
         found = self.find(ident, queue)
         if found is None:
             raise LookupError(f"no live job of {ident!r}{_GONE_HINT}")
@@ -192,13 +197,17 @@ class EmqTestKit:
             for _ in range(100):
                 try:
                     pipe.watch(row)
-                    state, deliveries, started = pipe.hmget(row, "state", "deliveries", "started")
-                    if state != b"active":
+                    state, deliveries, started, claim = (
+                        v.decode() if v is not None else None
+                        for v in pipe.hmget(row, "state", "deliveries", "started", "claim")
+                    )
+                    if state != "active":
                         pipe.reset()
                         raise LookupError(f"job {job_id} of {ident!r} is not active ({state!r})")
-                    token = int(deliveries or 0) + 1
-                    fields: dict[str, int] = {"deliveries": token}
-                    if started is not None and started == deliveries:
+                    count = int(deliveries or 0) + 1
+                    token = f"{count}.{new_nonce()}"
+                    fields: dict[str, int | str] = {"deliveries": count, "claim": token}
+                    if started is not None and started == live_token(claim, deliveries):
                         fields["started"] = token
                     pipe.multi()
                     pipe.hset(row, mapping=fields)

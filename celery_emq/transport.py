@@ -38,7 +38,6 @@ from .store import JobStore
 from .sweeper import Sweeper, sweep_thread
 from .topology import FORMS, BrokerTarget, target_of
 from .worker_state import (
-    CLAIM_HEADER,
     WORKER_LOST,
     claim_at_once,
     install_worker_probes,
@@ -521,7 +520,7 @@ class Channel(ChannelCompat, kombu_redis.Channel):
         tags = keeper().hold(
             self.store,
             queue,
-            [(c.id, c.deliveries) for c in claimed],
+            [(c.id, c.token) for c in claimed],
             self.emq.renew_interval_ms,
         )
         out = []
@@ -564,7 +563,6 @@ class Channel(ChannelCompat, kombu_redis.Channel):
         # Only publish attempts share it: a message published again from what a
         # consumer received is a new job.
         props.pop(JOB_ID_PROPERTY, None)
-        headers[CLAIM_HEADER] = [queue, job.id, job.deliveries]
         if BUDGET_OPTION not in headers:
             self._apply_task_budget(queue, job.id, headers.get("task"))
         if job.deliveries > 1 or job.stalled:

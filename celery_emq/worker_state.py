@@ -25,6 +25,7 @@ __all__ = [
     "claim_at_once",
     "install_worker_probes",
     "pop_mark",
+    "request_claim",
     "settled",
     "started_delivery_tags",
     "worker_nodename",
@@ -34,8 +35,6 @@ logger = logging.getLogger(__name__)
 
 #: The reason that makes a settle a stall rather than a dead letter.
 WORKER_LOST = "worker_lost"
-#: The header naming a delivery's claim (queue, job id, token); see the transport.
-CLAIM_HEADER = "emq_claim"
 
 
 class Mark(NamedTuple):
@@ -418,23 +417,30 @@ def claim_at_once() -> bool:
     return len(getattr(state, "reserved_requests", ())) <= limit
 
 
-def _request_claim(task: Any) -> tuple[str, str, int] | None:
-    """Return the claim (queue, job id, token) the running task's message names, if any."""
-    claim = getattr(getattr(task, "request", None), CLAIM_HEADER, None)
-    if not isinstance(claim, list | tuple) or len(claim) != 3:
-        return None
-    queue, job_id, token = claim
-    return str(queue), str(job_id), int(token)
+def request_claim(request: Any) -> tuple[str, str] | None:
+    """Return the claim (job id, token) a task's request was delivered under, if any.
+
+    The claim's one carrier is the delivery tag (``<job id>#<token>``, see
+    :mod:`celery_emq.lease`), which kombu keeps in the message's properties.
+    Celery hands those properties to the task as ``request.properties``, in the
+    worker's main process and in a prefork child alike (Celery 5.4 to 5.7), so
+    no header is added to the message.
+    """
+    from .lease import parse_tag
+
+    properties = getattr(request, "properties", None)
+    tag = properties.get("delivery_tag") if isinstance(properties, dict) else None
+    return parse_tag(tag) if isinstance(tag, str) else None
 
 
 def _record_start(sender: Any = None, task: Any = None, **kwargs: Any) -> None:
     from .lease import delivery_tag, keeper
     from .settle import batcher
 
-    claim = _request_claim(task)
+    claim = request_claim(getattr(task, "request", None))
     if claim is None:
         return
-    _queue, job_id, token = claim
+    job_id, token = claim
     held = keeper().get(delivery_tag(job_id, token))
     if held is None:
         # A prefork child (its worker records the start, see on_accepted), or
@@ -472,10 +478,10 @@ def _ack_success(sender: Any = None, **kwargs: Any) -> None:
     task = sender
     if not getattr(task, "acks_late", False):
         return
-    claim = _request_claim(task)
+    claim = request_claim(getattr(task, "request", None))
     if claim is None:
         return
-    _queue, job_id, token = claim
+    job_id, token = claim
     held = keeper().forget(delivery_tag(job_id, token))
     if held is not None:
         batcher().ack([held])

@@ -129,14 +129,40 @@ def bulk_enqueue(store: JobStore, queue: str, n: int, now_ms: int = 1) -> list[s
     return ids
 
 
-def bulk_start(store: JobStore, queue: str, claims: list[tuple[str, int]]) -> None:
+def token_of(store: JobStore, queue: str, job_id: str) -> str:
+    """Return the token (claim id) of a job's live claim."""
+    return store.job(queue, job_id)["claim"]
+
+
+def bulk_start(store: JobStore, queue: str, claims: list[tuple[str, str]]) -> None:
     """Record that each claim ``(id, token)`` started its task, through one pipeline."""
     k = store.keys(queue)
     script = store.scripts._scripts["start"]
     with store.client.pipeline() as pipe:
         for job_id, token in claims:
-            script(keys=[k.job(job_id)], args=[token], client=pipe)
+            script(keys=[k.job(job_id), k.metrics("fenced")], args=[token], client=pipe)
         pipe.execute()
+
+
+def dump_keys(client: redis.Redis, prefix: str) -> dict[bytes, tuple[bytes, int]]:
+    """Return every key under ``prefix`` as ``DUMP`` output with its TTL (ms, 0: none)."""
+    out: dict[bytes, tuple[bytes, int]] = {}
+    for key in client.scan_iter(match=prefix + "*", count=1000):
+        dumped = client.dump(key)
+        if dumped is not None:
+            out[key] = (dumped, max(0, client.pttl(key)))
+    return out
+
+
+def forget_writes(client: redis.Redis, prefix: str, dumps: dict[bytes, tuple[bytes, int]]) -> None:
+    """Put the keys under ``prefix`` back as :func:`dump_keys` found them.
+
+    What a server that lost its last writes holds: a restart from an older
+    snapshot, or a replica promoted before it received them.
+    """
+    delete_prefix(client, prefix)
+    for key, (dumped, ttl_ms) in dumps.items():
+        client.restore(key, ttl_ms, dumped, replace=True)
 
 
 def sweeps_ran_until(store: JobStore, queue: str, now_ms: int) -> None:

@@ -26,8 +26,8 @@ def held(store: JobStore) -> Iterator[tuple[Any, str]]:
 
     store.enqueue("q", "a", b"{}")
     [claim] = store.claim("q", "w")
-    [tag] = keeper().hold(store, "q", [(claim.id, claim.deliveries)], 10_000)
-    job.push_request(emq_claim=["q", "a", claim.deliveries])
+    [tag] = keeper().hold(store, "q", [(claim.id, claim.token)], 10_000)
+    job.push_request(properties={"delivery_tag": f"a#{claim.token}"})
     yield job, tag
     job.pop_request()
     keeper().forget(tag)
@@ -61,18 +61,18 @@ def test_in_a_ready_worker_the_ack_goes_with_the_next_start(
     b.delay_ms, b.deferring = 60_000, True
     store.enqueue("q", "next", b"{}")
     [nxt] = store.claim("q", "w")
-    [next_tag] = keeper().hold(store, "q", [(nxt.id, nxt.deliveries)], 10_000)
+    [next_tag] = keeper().hold(store, "q", [(nxt.id, nxt.token)], 10_000)
     try:
         task_success.send(sender=job, result=None)
         assert keeper().get(tag) is None
         assert store.job("q", "a")["state"] == "active"  # queued, not sent
-        job.push_request(emq_claim=["q", "next", nxt.deliveries])
+        job.push_request(properties={"delivery_tag": f"next#{nxt.token}"})
         try:
             task_prerun.send(sender=job, task_id="t2", task=job)
         finally:
             job.pop_request()
         assert store.job("q", "a") == {}
-        assert store.job("q", "next")["started"] == str(nxt.deliveries)
+        assert store.job("q", "next")["started"] == str(nxt.token)
         assert b.queued() == 0
     finally:
         b.flush()

@@ -10,10 +10,14 @@ from tests.conftest import ManualKeeper
 
 
 def test_delivery_tag_names_the_job_and_the_claim() -> None:
-    assert delivery_tag("a#b", 3) == "a#b#3"
-    assert parse_tag("a#b#3") == ("a#b", 3)
+    assert delivery_tag("a#b", "3.0f9a") == "a#b#3.0f9a"
+    assert parse_tag("a#b#3.0f9a") == ("a#b", "3.0f9a")
+    # A claim an earlier version made: its token is the delivery count alone.
+    assert parse_tag("a#b#3") == ("a#b", "3")
     assert parse_tag("plain-id") is None
     assert parse_tag("a#x") is None
+    assert parse_tag("a#3.") is None
+    assert parse_tag("a#3.0F9A") is None
 
 
 def test_renew_once_extends_every_held_lease(store: JobStore, client: redis.Redis) -> None:
@@ -21,8 +25,9 @@ def test_renew_once_extends_every_held_lease(store: JobStore, client: redis.Redi
         store.enqueue("q", i, b"{}", now_ms=1)
     claimed = store.claim("q", "me", count=3, now_ms=1000)
     k = ManualKeeper("me")
-    tags = k.hold(store, "q", [(j.id, j.deliveries) for j in claimed], interval_ms=60_000)
-    assert tags == ["a#1", "b#1", "c#1"]
+    tags = k.hold(store, "q", [(j.id, j.token) for j in claimed], interval_ms=60_000)
+    assert tags == [f"{j.id}#{j.token}" for j in claimed]
+    assert [t.split(".")[0] for t in tags] == ["a#1", "b#1", "c#1"]
     assert k.renew_once(now_ms=9000) == []
     for i in ("a", "b", "c"):
         assert client.zscore(store.keys("q").active, i) == 9000 + store.lease_ms
@@ -49,7 +54,7 @@ def test_thread_renews_on_its_own(store: JobStore, client: redis.Redis) -> None:
     store.enqueue("q", "a", b"{}", now_ms=1)
     [job] = store.claim("q", "me", now_ms=1)  # deadline far in the past
     k = LeaseKeeper("me")
-    [tag] = k.hold(store, "q", [(job.id, job.deliveries)], interval_ms=100)
+    [tag] = k.hold(store, "q", [(job.id, job.token)], interval_ms=100)
     deadline = time.monotonic() + 5
     while k.renewals < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -67,15 +72,16 @@ def test_a_kept_claim_nobody_will_settle_is_let_go(store: JobStore, client: redi
         store.enqueue("q", i, b"{}", now_ms=1)
     claimed = store.claim("q", "me", count=2, now_ms=1000)
     k = ManualKeeper("me")
-    tags = k.hold(store, "q", [(j.id, j.deliveries) for j in claimed], interval_ms=60_000)
+    tags = k.hold(store, "q", [(j.id, j.token) for j in claimed], interval_ms=60_000)
     for j in claimed:
-        store.start("q", j.id, j.deliveries)
+        store.start("q", j.id, j.token)
     for tag in tags:
         k.release(tag, unless_started=True, unseen=True)
     assert k.held_count() == 2  # started: kept
-    assert k.let_go_of_orphans(known={"seen#1"}, after_s=3600) == []
-    assert k.let_go_of_orphans(known=set(), after_s=0) == ["lost#1"]
-    assert k.get("seen#1") is not None and k.get("lost#1") is None
+    seen, lost = tags
+    assert k.let_go_of_orphans(known={seen}, after_s=3600) == []
+    assert k.let_go_of_orphans(known=set(), after_s=0) == [lost]
+    assert k.get(seen) is not None and k.get(lost) is None
     row = store.job("q", "lost")
     assert (row["state"], row["stalled"]) == ("pending", "0")  # uncounted: not its fault
     assert store.job("q", "seen")["state"] == "active"

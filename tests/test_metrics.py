@@ -41,7 +41,7 @@ def fill(store: JobStore, queue: str) -> None:
     assert len(store.claim(queue, "w1", count=2, now_ms=NOW - 50_000)) == 2
     store.enqueue(queue, "d0", "{}", now_ms=NOW)
     [dead] = store.claim(queue, "w1", now_ms=NOW)
-    assert store.bury(queue, "d0", dead.deliveries, "malformed", "bad", now_ms=NOW).name == "OK"
+    assert store.bury(queue, "d0", dead.token, "malformed", "bad", now_ms=NOW).name == "OK"
     store.enqueue(queue, "p0", "{}", now_ms=NOW - 30_000)
     store.enqueue(queue, "p1", "{}", now_ms=NOW - 20_000)
     store.enqueue(queue, "p2", "{}", now_ms=NOW - 40_000, group="g1")
@@ -53,18 +53,18 @@ def test_one_scrape_reads_counts_lanes_ages_and_counters(store: JobStore) -> Non
     # A started job that stalls once (lease_expired) is recovered; one charged twice dies.
     store.enqueue("q2", "s0", "{}", now_ms=NOW)
     [c] = store.claim("q2", "w2", now_ms=NOW)
-    store.start("q2", "s0", c.deliveries)
+    store.start("q2", "s0", c.token)
     store.client.hset(store.keys("q2").base + "swept", "at", NOW + 2 * store.lease_ms)
     assert [s.outcome for s in store.sweep("q2", 1, now_ms=NOW + 2 * store.lease_ms)] == [
         "recovered"
     ]
     [c] = store.claim("q2", "w2", now_ms=NOW + 2 * store.lease_ms)
-    store.start("q2", "s0", c.deliveries)
-    swept = store.charge("q2", "s0", c.deliveries, 1, "worker_lost")
+    store.start("q2", "s0", c.token)
+    swept = store.charge("q2", "s0", c.token, 1, "worker_lost")
     assert swept is not None and swept.outcome == "dead"
     store.retry("q2", ["s0"])
     [c] = store.claim("q2", "w2")
-    store.ack("q2", "s0", c.deliveries)
+    store.ack("q2", "s0", c.token)
     for q in ("q1", "q2"):
         store.register(q)
 

@@ -29,7 +29,7 @@ def kill(
     """Publish ``task``, claim it, and let a sweep dead-letter it at ``when_ms``."""
     app.send_task(task, args=(1,), queue=queue, **options)
     [job] = store.claim(queue, "w", now_ms=when_ms - 6000)
-    store.start(queue, job.id, job.deliveries)
+    store.start(queue, job.id, job.token)
     store.register(queue)
     sweeps_ran_until(store, queue, when_ms - 1)
     [swept] = store.sweep(queue, max_stalled=0, now_ms=when_ms)

@@ -75,7 +75,7 @@ def test_unregister_unused_drops_only_queues_without_any_key(
     # "used" completed a job: only its counter is left.
     store.enqueue("used", "a", b"{}", now_ms=1)
     [job] = store.claim("used", "w", now_ms=2)
-    store.ack("used", "a", job.deliveries)
+    store.ack("used", "a", job.token)
     assert sorted(client.scan_iter(match=store.keys("used").base + "*")) == [
         store.keys("used").metrics("completed").encode()
     ]

@@ -35,8 +35,8 @@ def claimed(store: JobStore) -> Iterator[tuple[str, int]]:
     """One job claimed and held by this process's keeper: (tag, token)."""
     store.enqueue("q", "a", b"{}")
     [claim] = store.claim("q", "w")
-    [tag] = keeper().hold(store, "q", [(claim.id, claim.deliveries)], 10_000)
-    yield tag, claim.deliveries
+    [tag] = keeper().hold(store, "q", [(claim.id, claim.token)], 10_000)
+    yield tag, claim.token
     keeper().forget(tag)
     with worker_state._submitted_lock:
         worker_state._submitted.pop(tag, None)
@@ -86,7 +86,7 @@ def test_a_prefork_child_sends_nothing_when_its_task_starts(
 
     sent: list[Any] = []
     monkeypatch.setattr(SettleBatcher, "flush", lambda self, start=None: sent.append(start))
-    job.push_request(emq_claim=["q", "a", claim.deliveries])
+    job.push_request(properties={"delivery_tag": f"a#{claim.token}"})
     try:
         task_prerun.send(sender=job, task_id="t", task=job)
     finally:

@@ -17,7 +17,7 @@ from celery_emq.scripts import Outcome
 from celery_emq.signals import job_dead_lettered, job_recovered, job_stalled
 from celery_emq.store import JobStore
 from celery_emq.sweeper import Sweeper, SweepThread
-from tests.conftest import ManualKeeper, sweeps_ran_until
+from tests.conftest import ManualKeeper, sweeps_ran_until, token_of
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ def lapse_one(app: Celery, store: JobStore, now_ms: int, started: bool = True) -
     result = app.send_task("proj.tasks.poison", args=(1, "x"), kwargs={"k": 2})
     [job] = store.claim("celery", "w1", now_ms=now_ms)
     if started:
-        assert store.start("celery", job.id, job.deliveries) is Outcome.OK
+        assert store.start("celery", job.id, job.token) is Outcome.OK
     return result, job.id
 
 
@@ -65,7 +65,7 @@ def test_dead_letter_fires_signals_stores_failure_and_sends_event(
     assert sweeper.sweep("celery", now_ms=7000).recovered == [job_id]
     # The last holder is a started worker: its lease owner carries its node name.
     [again] = store.claim("celery", "w2@host:42:abc", now_ms=8000)
-    store.start("celery", again.id, again.deliveries)
+    store.start("celery", again.id, again.token)
     events: list[dict[str, Any]] = []
     with app.connection_for_read() as conn:
         recv = app.events.Receiver(conn, handlers={"task-failed": events.append})
@@ -191,7 +191,8 @@ def test_a_sweep_renews_its_own_processs_claims_before_it_counts_stalls(
     _, mine = lapse_one(app, store, 1000)
     keeper = ManualKeeper("me")  # renews only when asked: it never ran
     monkeypatch.setattr(lease, "_keeper", keeper)  # the process-wide keeper
-    keeper.hold(store, "celery", [(mine, 1)], interval_ms=1000)
+    token = token_of(store, "celery", mine)
+    keeper.hold(store, "celery", [(mine, token)], interval_ms=1000)
     sweeps = SweepThread()
     sweeps.watch(Sweeper(store, EmqOptions(sweep_interval_s=3600), app=app), "celery")
     later = 1000 + 3 * store.lease_ms
@@ -201,7 +202,7 @@ def test_a_sweep_renews_its_own_processs_claims_before_it_counts_stalls(
     row = store.job("celery", mine)
     assert (row["state"], row["stalled"]) == ("active", "0")
     assert client.zscore(store.keys("celery").active, mine) == later + store.lease_ms
-    assert not keeper.is_lost(delivery_tag(mine, 1))
+    assert not keeper.is_lost(delivery_tag(mine, token))
 
 
 def test_a_sweep_skips_its_pass_when_its_own_claims_cannot_be_renewed(
@@ -221,7 +222,7 @@ def test_a_sweep_skips_its_pass_when_its_own_claims_cannot_be_renewed(
 
     keeper = Failing("me")
     monkeypatch.setattr(lease, "_keeper", keeper)
-    keeper.hold(store, "celery", [(mine, 1)], interval_ms=1000)
+    keeper.hold(store, "celery", [(mine, token_of(store, "celery", mine))], interval_ms=1000)
     sweeps = SweepThread()
     sweeps.watch(Sweeper(store, EmqOptions(sweep_interval_s=3600), app=app), "celery")
     assert sweeps.run_once(now_ms=1000 + 3 * store.lease_ms) == []

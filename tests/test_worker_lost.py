@@ -158,8 +158,8 @@ def test_a_task_cancelled_on_connection_loss_goes_back_at_once(probed: Any, stor
 
     store.enqueue("q", "a", b"{}")
     [claim] = store.claim("q", "w")
-    store.start("q", "a", claim.deliveries)
-    [tag] = keeper().hold(store, "q", [(claim.id, claim.deliveries)], 10_000)
+    store.start("q", "a", claim.token)
+    [tag] = keeper().hold(store, "q", [(claim.id, claim.token)], 10_000)
     request = _Request(job, tag)
     request._already_cancelled = True
     # Celery leaves the message unsettled for the broker to redeliver ...

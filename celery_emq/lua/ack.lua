@@ -5,7 +5,7 @@
   KEYS[4] dead      <p>:{q}:dead (ZSET)
   KEYS[5] completed <p>:{q}:metrics:completed (HASH, field count)
   KEYS[6] base      <p>:{q}: (job rows, lane keys and lanes derive from it)
-  ARGV[1..] id, token pairs (the token is the claim's delivery count; at most 500 pairs)
+  ARGV[1..] id, token pairs (the token is the claim's id; at most 500 pairs)
   Returns one code per pair:
   0 OK        acked under the live claim it names; deleted
   1 NOT_FOUND no such job (already acked or purged)
@@ -15,21 +15,37 @@
               so it leaves the morgue
   5 FENCED    another claim holds the job now; it is left to that claim, and only
               marked `completed`: if that claim is then lost (released, lapsed,
-              dead-lettered), the job is deleted as completed instead of run again
+              dead-lettered), the job is deleted as completed instead of run again.
+              Counted in <p>:{q}:metrics:fenced (fields count, reason:ack).
 ]]
 local active, pending, wake, dead, completed = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local base = KEYS[6]
+
+-- The live claim's token: its claim id; the delivery count for a claim made by a
+-- version that kept no claim id (or whose id a later such claim left behind).
+local function live_token(claim, deliveries)
+  if claim and deliveries and string.match(claim, '^%d+') == deliveries then
+    return claim
+  end
+  return deliveries
+end
+-- A settle naming a claim that is not the live one: counted by verb, changes nothing.
+local function count_fenced(verb)
+  redis.call('HINCRBY', base .. 'metrics:fenced', 'count', 1)
+  redis.call('HINCRBY', base .. 'metrics:fenced', 'reason:' .. verb, 1)
+end
 
 local out = {}
 for i = 1, #ARGV, 2 do
   local id, token = ARGV[i], ARGV[i + 1]
   local job = base .. 'job:' .. id
-  local row = redis.call('HMGET', job, 'state', 'deliveries', 'group')
+  local row = redis.call('HMGET', job, 'state', 'deliveries', 'group', 'claim')
   local code
   if not row[1] then
     code = 1
-  elseif row[1] == 'active' and row[2] ~= token then
+  elseif row[1] == 'active' and live_token(row[4], row[2]) ~= token then
     redis.call('HSET', job, 'completed', 1)
+    count_fenced('ack')
     code = 5
   else
     if row[1] == 'active' then

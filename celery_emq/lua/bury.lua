@@ -9,13 +9,14 @@
   KEYS[6] failed    <p>:{q}:metrics:failed (HASH, fields count and reason:<reason>)
   KEYS[7] base      <p>:{q}: (lane keys and lanes derive from it)
   ARGV[1] id
-  ARGV[2] token     the claim's delivery count
+  ARGV[2] token     the claim's id
   ARGV[3] reason    short machine-readable reason (malformed, rejected, ...)
   ARGV[4] error     human-readable detail
   ARGV[5] now_ms    '' takes the Redis server's clock
   Returns 0 OK (from the live claim it names, or from pending after that claim
   lapsed: the verdict is on the message), 1 NOT_FOUND (no row, or already dead),
-  5 FENCED (another claim holds the job now; untouched), 7 COMPLETED (an older
+  5 FENCED (another claim holds the job now; untouched but counted in
+  <p>:{q}:metrics:fenced, reason:bury), 7 COMPLETED (an older
   claim completed the job: deleted and counted completed, never dead-lettered).
 ]]
 local active, pending, wake, dead, job = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
@@ -27,12 +28,27 @@ if not now_ms then
   now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
-local row = redis.call('HMGET', job, 'state', 'deliveries', 'group', 'completed')
+-- The live claim's token: its claim id; the delivery count for a claim made by a
+-- version that kept no claim id (or whose id a later such claim left behind).
+local function live_token(claim, deliveries)
+  if claim and deliveries and string.match(claim, '^%d+') == deliveries then
+    return claim
+  end
+  return deliveries
+end
+-- A settle naming a claim that is not the live one: counted by verb, changes nothing.
+local function count_fenced(verb)
+  redis.call('HINCRBY', base .. 'metrics:fenced', 'count', 1)
+  redis.call('HINCRBY', base .. 'metrics:fenced', 'reason:' .. verb, 1)
+end
+
+local row = redis.call('HMGET', job, 'state', 'deliveries', 'group', 'completed', 'claim')
 if not row[1] or row[1] == 'dead' then
   return 1
 end
 if row[1] == 'active' then
-  if row[2] ~= token then
+  if live_token(row[5], row[2]) ~= token then
+    count_fenced('bury')
     return 5
   end
   redis.call('ZREM', active, id)

@@ -14,10 +14,13 @@
   ARGV[4] count     most jobs to claim (1..1000)
   ARGV[5] held      wake markers the caller already popped (BRPOP): 0 or 1
   ARGV[6] ttl_ms    > 0 for an x-expires queue: a claim is a use, so the queue lives on
+  ARGV[7] nonce     a random value the caller made for this call (never reused)
   Returns a flat array: id, message, stalled, deliveries, revoked, ... per claimed job
   (the message as stored, see celery_emq/codec.py; revoked is 1 for a delayed job
   promoted by a revoke, else 0).
-  The delivery count is the claim's fencing token: every later settle names it.
+  Each claim's fencing token is its claim id, `<deliveries>.<nonce>`, kept in the
+  row's `claim` field: every later settle names it. The delivery count alone can
+  repeat when the server loses its last writes; the nonce cannot.
   With lanes, claims rotate one job at a time over the default lane and each
   group's lane (in name order), so no group can starve another.
 ]]
@@ -25,6 +28,7 @@ local pending, active, wake, seq, head = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEY
 local lanes, cursor, expires, base = KEYS[6], KEYS[7], KEYS[8], KEYS[9]
 local lease_ms, owner = tonumber(ARGV[2]), ARGV[3]
 local count, held, ttl_ms = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local nonce = ARGV[7]
 local now_ms = tonumber(ARGV[1])
 if not now_ms then
   local t = redis.call('TIME')
@@ -84,7 +88,8 @@ for _, id in ipairs(ids) do
     -- Rows written before messages had a key of their own hold it as `payload`.
     local message = redis.call('GET', base .. 'msg:' .. id) or row[3] or ''
     local deliveries = redis.call('HINCRBY', job, 'deliveries', 1)
-    redis.call('HSET', job, 'state', 'active', 'owner', owner, 'claimed_ms', now_ms)
+    redis.call('HSET', job, 'state', 'active', 'owner', owner, 'claimed_ms', now_ms,
+      'claim', deliveries .. '.' .. nonce)
     redis.call('ZADD', active, now_ms + lease_ms, id)
     out[#out + 1] = id
     out[#out + 1] = message

@@ -1,13 +1,14 @@
 --[[ extend: renew the leases a live worker holds. Fenced by each claim's token.
   KEYS[1] active    <p>:{q}:active (ZSET)
   KEYS[2] jobs      <p>:{q}:job: (prefix of job rows, same hash tag)
+  KEYS[3] fenced    <p>:{q}:metrics:fenced (HASH, fields count and reason:<verb>)
   ARGV[1] lease_ms  the new deadline is now + lease_ms
   ARGV[2] now_ms    '' takes the Redis server's clock
   ARGV[3..] id, token pairs (the caller sends at most 512 pairs)
   Returns a flat array id, token, ... of the claims that are lost (no longer
-  active, or active under a newer claim); those are left untouched.
+  active, or active under another claim: counted fenced); those are left untouched.
 ]]
-local active, jobs = KEYS[1], KEYS[2]
+local active, jobs, fenced = KEYS[1], KEYS[2], KEYS[3]
 local lease_ms = tonumber(ARGV[1])
 local now_ms = tonumber(ARGV[2])
 if not now_ms then
@@ -16,11 +17,32 @@ if not now_ms then
 end
 local deadline = now_ms + lease_ms
 
+-- The live claim's token: its claim id; the delivery count for a claim made by a
+-- version that kept no claim id (or whose id a later such claim left behind).
+local function live_token(claim, deliveries)
+  if claim and deliveries and string.match(claim, '^%d+') == deliveries then
+    return claim
+  end
+  return deliveries
+end
+-- A settle naming a claim that is not the live one: counted by verb, changes nothing.
+local function count_fenced(verb)
+  redis.call('HINCRBY', fenced, 'count', 1)
+  redis.call('HINCRBY', fenced, 'reason:' .. verb, 1)
+end
+
 local lost = {}
 for i = 3, #ARGV, 2 do
   local id, token = ARGV[i], ARGV[i + 1]
-  if redis.call('ZSCORE', active, id)
-      and redis.call('HGET', jobs .. id, 'deliveries') == token then
+  local live = false
+  if redis.call('ZSCORE', active, id) then
+    local row = redis.call('HMGET', jobs .. id, 'deliveries', 'claim')
+    live = live_token(row[2], row[1]) == token
+    if not live then
+      count_fenced('extend')
+    end
+  end
+  if live then
     redis.call('ZADD', active, 'XX', deadline, id)
   else
     lost[#lost + 1] = id

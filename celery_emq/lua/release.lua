@@ -10,9 +10,10 @@
   KEYS[6] lanes     <p>:{q}:lanes (ZSET of groups with a lane)
   KEYS[7] base      <p>:{q}: (lane keys derive from it)
   ARGV[1] id
-  ARGV[2] token     the claim's delivery count
+  ARGV[2] token     the claim's id
   ARGV[3] unless_started  1: leave the claim as it is if its task has started
-  Returns 0 OK, 1 NOT_FOUND (not active), 5 FENCED (active under a newer claim; untouched),
+  Returns 0 OK, 1 NOT_FOUND (not active), 5 FENCED (active under another claim;
+  untouched but counted in <p>:{q}:metrics:fenced, reason:release),
   6 STARTED (unless_started, and the claim's task has started; untouched),
   7 COMPLETED (an older claim completed the job: deleted and counted completed).
 ]]
@@ -22,11 +23,27 @@ local id, token, unless_started = ARGV[1], ARGV[2], ARGV[3] == '1'
 
 local BAND = 1099511627776
 
+-- The live claim's token: its claim id; the delivery count for a claim made by a
+-- version that kept no claim id (or whose id a later such claim left behind).
+local function live_token(claim, deliveries)
+  if claim and deliveries and string.match(claim, '^%d+') == deliveries then
+    return claim
+  end
+  return deliveries
+end
+-- A settle naming a claim that is not the live one: counted by verb, changes nothing.
+local function count_fenced(verb)
+  redis.call('HINCRBY', base .. 'metrics:fenced', 'count', 1)
+  redis.call('HINCRBY', base .. 'metrics:fenced', 'reason:' .. verb, 1)
+end
+
 if not redis.call('ZSCORE', active, id) then
   return 1
 end
-local row = redis.call('HMGET', job, 'deliveries', 'priority', 'group', 'started', 'completed')
-if row[1] ~= token then
+local row = redis.call('HMGET', job, 'deliveries', 'priority', 'group', 'started', 'completed',
+  'claim')
+if live_token(row[6], row[1]) ~= token then
+  count_fenced('release')
   return 5
 end
 if unless_started and row[4] == token then

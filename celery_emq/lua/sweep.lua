@@ -12,7 +12,9 @@
   ARGV[4] reason      why these jobs stalled: lease_expired | worker_lost
   ARGV[5] lease_ms    the queue's lease: an outage is a gap between sweeps of over half of it
   ARGV[6..] id, token pairs: charge these live claims (a worker lost the process
-            running them) instead of examining the lapsed ones
+            running them) instead of examining the lapsed ones; a pair that names
+            no live claim changes nothing and is counted in metrics:fenced
+            (reason:charge)
   Returns a flat array: id, outcome (recovered | dead | requeued | completed | graced),
   stalled, message (as stored; false unless recovered or dead), ... A job an older claim completed (its ack was fenced, `completed`
   is set) is deleted and counted completed instead (outcome completed).
@@ -40,6 +42,20 @@ local now_ms = tonumber(ARGV[1])
 if not now_ms then
   local t = redis.call('TIME')
   now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- The live claim's token: its claim id; the delivery count for a claim made by a
+-- version that kept no claim id (or whose id a later such claim left behind).
+local function live_token(claim, deliveries)
+  if claim and deliveries and string.match(claim, '^%d+') == deliveries then
+    return claim
+  end
+  return deliveries
+end
+-- A settle naming a claim that is not the live one: counted by verb, changes nothing.
+local function count_fenced(verb)
+  redis.call('HINCRBY', base .. 'metrics:fenced', 'count', 1)
+  redis.call('HINCRBY', base .. 'metrics:fenced', 'reason:' .. verb, 1)
 end
 
 local BAND = 1099511627776
@@ -83,14 +99,18 @@ local out = {}
 for i, id in ipairs(ids) do
   local job = base .. 'job:' .. id
   local row = redis.call('HMGET', job, 'state', 'owner', 'priority', 'max_stalled', 'payload',
-    'history', 'group', 'deliveries', 'started', 'completed', 'graced')
+    'history', 'group', 'deliveries', 'started', 'completed', 'graced', 'claim')
+  local token = live_token(row[12], row[8])
   -- The message is read only for what the caller reports (recovered, dead); rows
   -- written before messages had a key of their own hold it as `payload`.
   local function message()
     return redis.call('GET', base .. 'msg:' .. id) or row[5] or ''
   end
   local deadline = tonumber(redis.call('ZSCORE', active, id))
-  local examine = deadline and (not charge or row[8] == tokens[i])
+  local examine = deadline and (not charge or token == tokens[i])
+  if deadline and not examine then
+    count_fenced('charge')
+  end
   if examine and row[1] and not row[10] and outage_from and deadline > outage_from + lease_ms / 2
       and deadline <= outage_to + lease_ms / 2 and tonumber(row[11]) ~= deadline then
     -- Lapsed in an outage: its worker may be alive and could not renew. One more lease.
@@ -117,7 +137,7 @@ for i, id in ipairs(ids) do
       redis.call('DEL', job, base .. 'msg:' .. id)
       redis.call('HINCRBY', base .. 'metrics:completed', 'count', 1)
       outcome = 'completed'
-    elseif not charge and row[9] ~= row[8] then
+    elseif not charge and row[9] ~= token then
       -- Never started under this claim: not the job's fault, so not a stall.
       stalled = tonumber(redis.call('HGET', job, 'stalled') or '0')
       if lane ~= pending then

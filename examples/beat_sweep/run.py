@@ -16,7 +16,7 @@ result = add.delay(20, 22)
 with open_store(app) as (store, _options):
     # Claim and start it as a worker that then vanished: its lease lapsed a minute ago.
     [job] = store.claim("celery", "vanished-worker", now_ms=int(time.time() * 1000) - 60_000)
-    store.start("celery", job.id, job.deliveries)
+    store.start("celery", job.id, job.token)
     print(f"job {job.id} leased by a worker that is gone")
     w = worker(
         "examples.beat_sweep.app", "beat-worker", "-c", "1", env={"EX_WORKER_SWEEP_S": "3600"}

@@ -33,7 +33,7 @@ def known_contents(store: JobStore) -> None:
     assert len(store.claim(q, "w", count=2)) == 2
     store.enqueue(q, "d0", "{}")
     [dead] = store.claim(q, "w")
-    assert store.bury(q, "d0", dead.deliveries, "malformed", "bad").name == "OK"
+    assert store.bury(q, "d0", dead.token, "malformed", "bad").name == "OK"
     store.enqueue(q, "p0", "{}")
     store.enqueue(q, "p1", "{}")
     store.enqueue(q, "p2", "{}", group="tenant-a")

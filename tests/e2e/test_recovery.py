@@ -141,7 +141,7 @@ def test_beat_scheduled_sweep_recovers_a_lapsed_job(
     # A job claimed and started by a worker that is gone: its lease lapsed a minute ago.
     result = capp.send_task("tests.e2e.app.add", args=(20, 22))
     [job] = store.claim("celery", "gone-worker", now_ms=int(time.time() * 1000) - 60_000)
-    assert store.start("celery", job.id, job.deliveries).name == "OK"
+    assert store.start("celery", job.id, job.token).name == "OK"
     # The worker's own sweep timer is slowed to an hour, so only beat can recover it.
     start_worker("-c", "1", EMQ_E2E_SWEEP_S="3600", EMQ_E2E_BEAT_S="1")
     beat_log = tmp_path / "beat.log"

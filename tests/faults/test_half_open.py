@@ -36,7 +36,7 @@ def test_lease_renewal_survives_a_half_open_connection(redis_url: str, prefix: s
         keeper = LeaseKeeper("half-open-test")
         store.enqueue("q", "j", b"{}")
         [job] = store.claim("q", keeper.owner)
-        [tag] = keeper.hold(store, "q", [(job.id, job.deliveries)], channel.emq.renew_interval_ms)
+        [tag] = keeper.hold(store, "q", [(job.id, job.token)], channel.emq.renew_interval_ms)
         time.sleep(1.5)  # the keeper's connection is open and in use
         assert proxy.freeze() >= 1
         frozen_at = time.monotonic()

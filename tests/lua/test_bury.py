@@ -9,9 +9,7 @@ from celery_emq.store import JobStore
 def test_bury_moves_job_to_morgue_with_reason(store: JobStore, client: redis.Redis) -> None:
     store.enqueue("q", "a", b"not json", now_ms=1)
     [job] = store.claim("q", "w", now_ms=2)
-    assert store.bury("q", "a", job.deliveries, "malformed", "JSONDecodeError", now_ms=5) is (
-        Outcome.OK
-    )
+    assert store.bury("q", "a", job.token, "malformed", "JSONDecodeError", now_ms=5) is (Outcome.OK)
     k = store.keys("q")
     assert client.zcard(k.active) == 0
     assert client.zscore(k.dead, "a") == 5

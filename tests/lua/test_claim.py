@@ -66,7 +66,7 @@ def test_a_no_ack_batch_is_leased_at_claim_and_deleted_by_one_ack(
         (b"a", 1 + store.lease_ms),
         (b"b", 1 + store.lease_ms),
     ]
-    assert store.ack_many("q", [(j.id, j.deliveries) for j in got]) == [Outcome.OK, Outcome.OK]
+    assert store.ack_many("q", [(j.id, j.token) for j in got]) == [Outcome.OK, Outcome.OK]
     assert client.zcard(k.active) == 0
     assert not client.exists(k.job("a"), k.job("b"))
     assert store.metrics("q")["completed"] == 2

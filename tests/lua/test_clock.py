@@ -55,8 +55,8 @@ def test_every_timestamp_written_without_now_ms_is_the_server_clock(
     store.enqueue("q", "a", b"{}")
     store.enqueue("q", "b", b"{}")
     [a] = store.claim("q", "w")
-    store.start("q", "a", a.deliveries)
-    assert store.extend("q", [("a", a.deliveries)]) == []
+    store.start("q", "a", a.token)
+    assert store.extend("q", [("a", a.token)]) == []
     assert store.bury("q", "b", 0, "rejected", "") is Outcome.OK
     assert store.retry("q", ["b"]) == ["b"]
     store.bury("q", "b", 0, "rejected", "")
@@ -76,7 +76,7 @@ def test_a_sweep_without_now_ms_leaves_a_lease_the_server_clock_has_not_reached(
 ) -> None:
     store.enqueue("q", "a", b"{}")
     [job] = store.claim("q", "w")
-    assert store.start("q", "a", job.deliveries) is Outcome.OK
+    assert store.start("q", "a", job.token) is Outcome.OK
     k = store.keys("q")
     deadline = client.zscore(k.active, "a")
     # The host believes the lease lapsed an hour ago; the server does not.
@@ -96,6 +96,6 @@ def test_a_sweep_without_now_ms_takes_a_lease_the_server_clock_passed(
 ) -> None:
     store.enqueue("q", "a", b"{}")
     [job] = store.claim("q", "w", now_ms=server_ms(client) - store.lease_ms - 10)
-    store.start("q", "a", job.deliveries)
+    store.start("q", "a", job.token)
     [swept] = store.sweep("q", max_stalled=0)
     assert (swept.id, swept.outcome, swept.stalled) == ("a", "dead", 1)

@@ -31,7 +31,7 @@ def test_a_due_job_is_promoted_and_claimed_once(store: JobStore, client: redis.R
     assert not client.hexists(k.etas, "t-a")
     [job] = store.claim("q", "w", now_ms=5001)
     assert (job.id, job.payload, job.revoked) == ("a", b'{"a": 1}', False)
-    assert store.ack("q", "a", job.deliveries) is Outcome.OK
+    assert store.ack("q", "a", job.token) is Outcome.OK
     assert not client.exists(k.job("a"), k.msg("a"))
 
 

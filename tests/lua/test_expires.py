@@ -28,7 +28,7 @@ def test_a_job_waiting_longer_than_the_ttl_of_a_queue_in_use_is_kept(
         store.enqueue("tmp", f"n{n}", b"{}", priority=0, ttl_ms=TTL_MS)
         [job] = store.claim("tmp", "w", ttl_ms=TTL_MS)
         assert job.id == f"n{n}"
-        assert store.ack("tmp", job.id, job.deliveries) is Outcome.OK
+        assert store.ack("tmp", job.id, job.token) is Outcome.OK
         assert store.expire() == {}
         n += 1
         time.sleep(TTL_MS / 4000)
@@ -72,7 +72,7 @@ def test_an_expired_queue_keeps_its_leased_jobs_until_they_are_acked(
     assert store.job("tmp", "leased")["state"] == "active"
     # The leased job is still there: the queue stays registered for expiry.
     assert client.smembers(store.expiring_key) == {b"tmp"}
-    assert store.ack("tmp", "leased", job.deliveries) is Outcome.OK
+    assert store.ack("tmp", "leased", job.token) is Outcome.OK
     assert store.expire() == {}
     assert client.smembers(store.expiring_key) == set()
     assert queue_keys(client, store, "tmp") == [k.metrics("completed").encode()]

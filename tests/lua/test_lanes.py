@@ -3,6 +3,7 @@ from __future__ import annotations
 import redis
 
 from celery_emq.store import JobStore
+from tests.conftest import token_of
 
 
 def claim_all(store: JobStore, queue: str, per_call: int = 1) -> list[str]:
@@ -57,11 +58,11 @@ def test_recovery_and_release_return_to_the_lane_front(
     for i in range(3):
         store.enqueue("q", f"a{i}", b"{}", group="a", now_ms=1)
     store.claim("q", "w", count=2, now_ms=1000)  # a0, a1
-    assert store.start("q", "a0", 1).name == "OK"
+    assert store.start("q", "a0", token_of(store, "q", "a0")).name == "OK"
     k = store.keys("q")
     [swept] = store.sweep("q", max_stalled=1, limit=1, now_ms=1000 + store.lease_ms + 1)
     assert swept.id == "a0" and swept.outcome == "recovered"
-    assert store.release("q", "a1", 1).name == "OK"
+    assert store.release("q", "a1", token_of(store, "q", "a1")).name == "OK"
     assert client.zrange(k.lane("a"), 0, -1) == [b"a1", b"a0", b"a2"]
     assert client.zcard(k.pending) == 0
 
@@ -99,7 +100,7 @@ def test_ack_of_a_reaped_grouped_job_removes_it_from_its_lane(
     store.enqueue("q", "a0", b"{}", group="a", now_ms=1)
     store.claim("q", "w", now_ms=1000)
     store.reap("q", now_ms=1000 + store.lease_ms + 1)
-    assert store.ack("q", "a0", 1).name == "LEASE_LOST"
+    assert store.ack("q", "a0", token_of(store, "q", "a0")).name == "LEASE_LOST"
     k = store.keys("q")
     assert client.zcard(k.lane("a")) == 0
     assert client.llen(k.wake) == 0

@@ -28,7 +28,7 @@ def test_a_queued_job_is_a_small_row_and_a_compressed_message(
     assert unpack(job.payload) == MESSAGE.encode()
     # An active row stays compact too.
     assert client.object("encoding", k.job("a")) in COMPACT
-    assert store.ack("q", "a", job.deliveries) is Outcome.OK
+    assert store.ack("q", "a", job.token) is Outcome.OK
     assert not client.exists(k.job("a"), k.msg("a"))
 
 
@@ -54,10 +54,10 @@ def test_a_row_written_by_an_earlier_version_is_claimed_settled_and_buried(
         client.lpush(k.wake, 1)
     first, second = store.claim("q", "w", count=2, now_ms=10)
     assert (first.id, first.payload) == ("old1", MESSAGE.encode())
-    assert store.ack("q", "old1", first.deliveries) is Outcome.OK
+    assert store.ack("q", "old1", first.token) is Outcome.OK
     assert not client.exists(k.job("old1"))
     # A lapsed, started claim of the old layout is dead-lettered with its message.
-    store.start("q", "old2", second.deliveries)
+    store.start("q", "old2", second.token)
     [swept] = store.sweep("q", max_stalled=0, now_ms=10 + store.lease_ms + 1)
     assert (swept.outcome, swept.payload) == ("dead", MESSAGE.encode())
     assert json.loads(store.job("q", "old2")["payload"])["headers"]["task"] == "proj.tasks.add"

@@ -6,6 +6,7 @@ import redis
 
 from celery_emq.scripts import Outcome
 from celery_emq.store import JobStore
+from tests.conftest import token_of
 
 LEASE_MS = 5000
 
@@ -34,12 +35,12 @@ def test_every_transition_keeps_one_marker_per_claimable_job(
 
     # g0 and u0 lapse and are reaped; their stale acks delete them, one marker each.
     for j in got[2:]:
-        store.extend("q", [(j.id, j.deliveries)], now_ms=100_000)
+        store.extend("q", [(j.id, j.token)], now_ms=100_000)
     assert store.reap("q", now_ms=1000 + LEASE_MS + 1) == ["g0", "u0"]
     assert claimable(store, client) == 7
-    assert store.ack("q", "u0", 1) is Outcome.LEASE_LOST
+    assert store.ack("q", "u0", token_of(store, "q", "u0")) is Outcome.LEASE_LOST
     assert claimable(store, client) == 6
-    assert store.ack("q", "g0", 1) is Outcome.LEASE_LOST
+    assert store.ack("q", "g0", token_of(store, "q", "g0")) is Outcome.LEASE_LOST
     assert claimable(store, client) == 5
 
     # A pending job buried (its claim lapsed, the verdict is on the message).
@@ -47,14 +48,14 @@ def test_every_transition_keeps_one_marker_per_claimable_job(
     assert store.bury("q", "g2", 0, "rejected", "", now_ms=2000) is Outcome.OK
     assert claimable(store, client) == 3
 
-    assert store.release("q", "u1", 1) is Outcome.OK
+    assert store.release("q", "u1", token_of(store, "q", "u1")) is Outcome.OK
     assert claimable(store, client) == 4
 
     # g1 started and lapses: the sweep recovers it; a claim that never started is requeued.
     [u1] = store.claim("q", "w", now_ms=200_000)
     assert u1.id == "u1"
     assert claimable(store, client) == 3
-    assert store.start("q", "g1", 1) is Outcome.OK
+    assert store.start("q", "g1", token_of(store, "q", "g1")) is Outcome.OK
     swept = store.sweep("q", max_stalled=5, now_ms=200_000 + LEASE_MS + 1)
     assert sorted((s.id, s.outcome) for s in swept) == [("g1", "recovered"), ("u1", "requeued")]
     assert claimable(store, client) == 5
@@ -87,7 +88,7 @@ def enqueue_and_claim_one_by_one(store: JobStore, ids: list[str], from_ms: int) 
         store.enqueue("q", i, b"{}", now_ms=1)
         [job] = store.claim("q", "w", now_ms=from_ms + n)
         assert job.id == i
-        store.start("q", i, job.deliveries)
+        store.start("q", i, job.token)
 
 
 def test_a_reaped_batch_comes_back_in_its_order(store: JobStore, client: redis.Redis) -> None:
@@ -153,9 +154,9 @@ def test_a_lane_emptied_by_a_stale_ack_or_bury_leaves_no_trace(
         store.reap("q", now_ms=2 + store.lease_ms + 1)
         # The lapsed claim settles after all: the job leaves its lane.
         if job_id == "a":
-            assert store.ack("q", "a", claim.deliveries) is Outcome.LEASE_LOST
+            assert store.ack("q", "a", claim.token) is Outcome.LEASE_LOST
         else:
-            assert store.bury("q", "b", claim.deliveries, "rejected", now_ms=9) is Outcome.OK
+            assert store.bury("q", "b", claim.token, "rejected", now_ms=9) is Outcome.OK
         assert client.zrange(k.lanes, 0, -1) == []
         assert store.waiting(["q"]) == []
         # A consumer that had popped nothing hands no marker back for it either.

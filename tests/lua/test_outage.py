@@ -14,11 +14,11 @@ from celery_emq.store import JobStore
 LEASE = 5000
 
 
-def started_claim(store: JobStore, job_id: str, now_ms: int) -> int:
+def started_claim(store: JobStore, job_id: str, now_ms: int) -> str:
     store.enqueue("q", job_id, b"{}", now_ms=now_ms)
     [job] = store.claim("q", "w", now_ms=now_ms)
-    assert store.start("q", job_id, job.deliveries) is Outcome.OK
-    return job.deliveries
+    assert store.start("q", job_id, job.token) is Outcome.OK
+    return job.token
 
 
 def outcomes(store: JobStore, now_ms: int) -> dict[str, str]:
@@ -36,7 +36,7 @@ def test_a_lapse_in_a_gap_longer_than_half_a_lease_is_granted_one_more_lease(
     store: JobStore,
 ) -> None:
     assert outcomes(store, 1000) == {}
-    started_claim(store, "a", 1000)  # deadline 6000
+    token = started_claim(store, "a", 1000)  # deadline 6000
     [swept] = store.sweep("q", max_stalled=1, now_ms=9000)  # last sweep 8 s ago
     assert (swept.id, swept.outcome, swept.stalled) == ("a", "graced", 0)
     k = store.keys("q")
@@ -44,7 +44,7 @@ def test_a_lapse_in_a_gap_longer_than_half_a_lease_is_granted_one_more_lease(
     assert store.job("q", "a")["state"] == "active"
     assert store.metrics("q")["stalled"] == 0
     # Its keeper renews it as usual.
-    assert store.extend("q", [("a", 1)], now_ms=9500) == []
+    assert store.extend("q", [("a", token)], now_ms=9500) == []
     assert store.client.zscore(k.active, "a") == 9500 + LEASE
 
 
@@ -73,7 +73,7 @@ def test_unstarted_and_completed_claims_in_an_outage(store: JobStore) -> None:
     assert outcomes(store, 1000) == {}
     store.enqueue("q", "idle", b"{}", now_ms=1000)
     store.enqueue("q", "done", b"{}", now_ms=1000)
-    old = {j.id: j.deliveries for j in store.claim("q", "w", count=2, now_ms=1000)}
+    old = {j.id: j.token for j in store.claim("q", "w", count=2, now_ms=1000)}
     # Both lapse with sweeps running; "done" is claimed again and the old claim's
     # ack completes it.
     assert outcomes(store, 3000) == outcomes(store, 5000) == {}

@@ -4,13 +4,14 @@ import redis
 
 from celery_emq.scripts import Outcome
 from celery_emq.store import JobStore
+from tests.conftest import token_of
 
 
 def test_release_returns_job_to_front_uncounted(store: JobStore, client: redis.Redis) -> None:
     for i in ("a", "b", "c"):
         store.enqueue("q", i, b"{}", now_ms=1)
     [job] = store.claim("q", "w", now_ms=2)
-    assert store.release("q", "a", job.deliveries) is Outcome.OK
+    assert store.release("q", "a", job.token) is Outcome.OK
     k = store.keys("q")
     assert client.zrange(k.pending, 0, -1) == [b"a", b"b", b"c"]
     assert client.zcard(k.active) == 0
@@ -25,18 +26,18 @@ def test_release_keeps_priority_band(store: JobStore, client: redis.Redis) -> No
     store.enqueue("q", "hi", b"{}", priority=0, now_ms=1)
     store.enqueue("q", "lo", b"{}", priority=9, now_ms=1)
     store.claim("q", "w", count=2, now_ms=2)
-    assert store.release("q", "lo", 1) is Outcome.OK
-    assert store.release("q", "hi", 1) is Outcome.OK
+    assert store.release("q", "lo", token_of(store, "q", "lo")) is Outcome.OK
+    assert store.release("q", "hi", token_of(store, "q", "hi")) is Outcome.OK
     assert client.zrange(store.keys("q").pending, 0, -1) == [b"hi", b"lo"]
 
 
 def test_release_with_a_stale_token_is_fenced(store: JobStore, client: redis.Redis) -> None:
     store.enqueue("q", "a", b"{}", now_ms=1)
-    store.claim("q", "w1", now_ms=2)
+    [first] = store.claim("q", "w1", now_ms=2)
     store.reap("q", now_ms=2 + store.lease_ms + 1)
     [again] = store.claim("q", "w1", now_ms=10_000)
     assert again.deliveries == 2
-    assert store.release("q", "a", 1) is Outcome.FENCED
+    assert store.release("q", "a", first.token) is Outcome.FENCED
     k = store.keys("q")
     assert client.zscore(k.active, "a") == 10_000 + store.lease_ms
     assert store.job("q", "a")["state"] == "active"
@@ -55,13 +56,13 @@ def test_release_unless_started_leaves_a_started_claim(
     store.enqueue("q", "a", b"{}", now_ms=1)
     store.enqueue("q", "b", b"{}", now_ms=1)
     a, b = store.claim("q", "w", count=2, now_ms=2)
-    assert store.start("q", "a", a.deliveries) is Outcome.OK
+    assert store.start("q", "a", a.token) is Outcome.OK
     k = store.keys("q")
     before = (client.zrange(k.active, 0, -1, withscores=True), store.job("q", "a"))
-    assert store.release("q", "a", a.deliveries, unless_started=True) is Outcome.STARTED
+    assert store.release("q", "a", a.token, unless_started=True) is Outcome.STARTED
     assert (client.zrange(k.active, 0, -1, withscores=True), store.job("q", "a")) == before
     # An unstarted claim goes back as usual; a plain release ignores the start.
-    assert store.release("q", "b", b.deliveries, unless_started=True) is Outcome.OK
-    assert store.release("q", "a", a.deliveries) is Outcome.OK
+    assert store.release("q", "b", b.token, unless_started=True) is Outcome.OK
+    assert store.release("q", "a", a.token) is Outcome.OK
     assert client.zrange(k.pending, 0, -1) == [b"a", b"b"]
     assert client.llen(k.wake) == 2

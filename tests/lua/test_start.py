@@ -22,7 +22,7 @@ def crash(store: JobStore, claimed_ms: int, max_stalled: int) -> dict[str, tuple
     claimed = store.claim("q", "w1", count=len(BATCH), now_ms=claimed_ms)
     assert [j.id for j in claimed] == BATCH
     poison = next(j for j in claimed if j.id == "poison")
-    assert store.start("q", "poison", poison.deliveries) is Outcome.OK
+    assert store.start("q", "poison", poison.token) is Outcome.OK
     sweeps_ran_until(store, "q", claimed_ms + store.lease_ms)
     swept = store.sweep("q", max_stalled=max_stalled, now_ms=claimed_ms + store.lease_ms + 1)
     return {s.id: (s.outcome, s.stalled) for s in swept}
@@ -119,8 +119,8 @@ def test_start_with_a_stale_token_is_fenced_and_writes_nothing(
 def test_start_after_ack_does_not_resurrect_the_row(store: JobStore, client: redis.Redis) -> None:
     store.enqueue("q", "a", b"{}", now_ms=1)
     [job] = store.claim("q", "w1", now_ms=1000)
-    assert store.ack("q", "a", job.deliveries) is Outcome.OK
-    assert store.start("q", "a", job.deliveries) is Outcome.NOT_FOUND
+    assert store.ack("q", "a", job.token) is Outcome.OK
+    assert store.start("q", "a", job.token) is Outcome.NOT_FOUND
     k = store.keys("q")
     assert not client.exists(k.job("a"))
     # SCAN may return a key more than once (the keyspace can rehash meanwhile).

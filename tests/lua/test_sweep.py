@@ -7,7 +7,7 @@ import pytest
 import redis
 
 from celery_emq.store import JobStore
-from tests.conftest import bulk_enqueue, bulk_start, sweeps_ran_until
+from tests.conftest import bulk_enqueue, bulk_start, sweeps_ran_until, token_of
 
 
 def lapse(
@@ -21,13 +21,13 @@ def lapse(
         store.enqueue(queue, i, json.dumps({"id": i}), now_ms=1)
     claimed = store.claim(queue, "w1", count=len(ids), now_ms=claimed_ms)
     if started:
-        bulk_start(store, queue, [(j.id, j.deliveries) for j in claimed])
+        bulk_start(store, queue, [(j.id, j.token) for j in claimed])
 
 
 def claim_started(store: JobStore, queue: str, owner: str, now_ms: int, count: int = 1) -> None:
     """Claim up to ``count`` jobs at ``now_ms`` and record that each one's task started."""
     claimed = store.claim(queue, owner, count=count, now_ms=now_ms)
-    bulk_start(store, queue, [(j.id, j.deliveries) for j in claimed])
+    bulk_start(store, queue, [(j.id, j.token) for j in claimed])
 
 
 def after_lease(store: JobStore, claimed_ms: int = 1000) -> int:
@@ -73,7 +73,7 @@ def test_second_stall_dead_letters_with_budget_1(store: JobStore, client: redis.
     store.sweep("q", max_stalled=1, now_ms=after_lease(store))
     [job] = store.claim("q", "w2", now_ms=50_000)
     assert job.stalled == 1  # the count travels with the job into its next claim
-    store.start("q", "a", job.deliveries)
+    store.start("q", "a", job.token)
     sweeps_ran_until(store, "q", after_lease(store, 50_000) - 1)
     [swept] = store.sweep("q", max_stalled=1, now_ms=after_lease(store, 50_000))
     assert (swept.outcome, swept.stalled) == ("dead", 2)
@@ -148,7 +148,7 @@ def test_sweep_is_bounded_per_call_and_covers_8000_plus(
     claimed = 0
     while claimed < n:
         got = store.claim("q", "w", count=1000, now_ms=1000)
-        bulk_start(store, "q", [(j.id, j.deliveries) for j in got])
+        bulk_start(store, "q", [(j.id, j.token) for j in got])
         claimed += len(got)
     k = store.keys("q")
     calls = []
@@ -173,7 +173,7 @@ def test_concurrent_sweepers_recover_each_job_once(store: JobStore, client: redi
     claimed = 0
     while claimed < n:
         got = store.claim("q", "w", count=1000, now_ms=1000)
-        bulk_start(store, "q", [(j.id, j.deliveries) for j in got])
+        bulk_start(store, "q", [(j.id, j.token) for j in got])
         claimed += len(got)
     results: list[list[str]] = []
     lock = threading.Lock()
@@ -216,17 +216,18 @@ def test_charge_counts_a_stall_only_for_the_live_claim(
     store: JobStore, client: redis.Redis
 ) -> None:
     lapse(store, "q", ["a"], started=False)
+    first = token_of(store, "q", "a")
     # A charge needs no start record (a pool process ran the task), only the live token.
-    assert store.charge("q", "a", 2, 1, "worker_lost", now_ms=2000) is None
+    assert store.charge("q", "a", "2", 1, "worker_lost", now_ms=2000) is None
     assert store.job("q", "a")["stalled"] == "0"
-    swept = store.charge("q", "a", 1, 1, "worker_lost", now_ms=2000)
+    swept = store.charge("q", "a", first, 1, "worker_lost", now_ms=2000)
     assert swept is not None
     assert (swept.id, swept.outcome, swept.stalled) == ("a", "recovered", 1)
     assert store.job("q", "a")["reason"] == "worker_lost"
     [again] = store.claim("q", "w1", now_ms=3000)
     assert again.deliveries == 2
-    assert store.charge("q", "a", 1, 1, "worker_lost", now_ms=4000) is None
-    swept = store.charge("q", "a", 2, 1, "worker_lost", now_ms=4000)
+    assert store.charge("q", "a", first, 1, "worker_lost", now_ms=4000) is None
+    swept = store.charge("q", "a", again.token, 1, "worker_lost", now_ms=4000)
     assert swept is not None and (swept.outcome, swept.stalled) == ("dead", 2)
     assert client.zscore(store.keys("q").dead, "a") == 4000
     assert store.metrics("q")["stalled"] == 2

@@ -39,8 +39,8 @@ def test_delete_prefix_deletes_only_its_own_keys(client: redis.Redis, prefix: st
 def _claim(emq: EmqTestKit, start: bool = True) -> tuple[str, int]:
     [job] = emq.store.claim("celery", "owner-a")
     if start:
-        emq.store.start("celery", job.id, job.deliveries)
-    return job.id, job.deliveries
+        emq.store.start("celery", job.id, job.token)
+    return job.id, job.token
 
 
 def test_lapse_fences_the_holder_and_a_sweep_counts_the_stall(emq_app: Any, emq: Any) -> None:

@@ -337,7 +337,7 @@ def test_wait_replicas_waits_on_the_master_of_each_queue(
     _reset(redis_cluster)
     batch = store.scripts.batch()
     for n, c in claims.items():
-        batch.ack(store.keys(n), [(c.id, c.deliveries)])
+        batch.ack(store.keys(n), [(c.id, c.token)])
     batch.execute(confirm=partial(store.confirm_replicas))
     assert batch.confirmed == 1
     assert {p: n for p, n in _waits(redis_cluster).items() if n} == {p: 1 for p in set(masters)}

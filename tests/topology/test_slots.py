@@ -58,7 +58,7 @@ def test_every_script_call_keeps_to_one_slot(
         store.promote_tasks(queue, ["t2"])
         claimed = store.claim(queue, "me", 3)
         store.start(queue, "1", 1)
-        store.extend(queue, [(c.id, c.deliveries) for c in claimed])
+        store.extend(queue, [(c.id, c.token) for c in claimed])
         store.release(queue, "3", 1)
         store.bury(queue, "2", 1, "rejected")
         store.retry(queue, ["2"])
