@@ -32,7 +32,9 @@ LOST_WRITES = 1
 LIMIT_S = 90
 
 
-def test_short_chaos_run_loses_nothing_the_snapshot_held_and_explains_every_rerun(tmp_path: Path) -> None:
+def test_short_chaos_run_loses_nothing_the_snapshot_held_and_explains_every_rerun(
+    tmp_path: Path,
+) -> None:
     out = tmp_path / "chaos.json"
     done = subprocess.run(
         [
