@@ -91,7 +91,7 @@ def test_a_claim_lost_while_its_worker_runs_it_runs_at_most_twice(
     capp = client_app(broker.url, prefix, LEASE_MS, ledger=redis_url)
     store = JobStore(broker.client(), prefix + "emq", LEASE_MS)
     # The snapshot holds the job queued and never claimed (its delivery count 0).
-    result = capp.send_task("tests.e2e.app.die_on_go", args=(3.0, "t", "a"))
+    result = capp.send_task("tests.e2e.app.die_on_go", args=(8.0, "t", "a"))
     [job_id] = pending_ids(store)
     assert broker.client().save()
 
@@ -105,7 +105,8 @@ def test_a_claim_lost_while_its_worker_runs_it_runs_at_most_twice(
     wait_for(lambda: claimed_again(store, job_id), 30)
     time.sleep(0.5)
     # The first run ends the way a killed worker's does: its worker charges its
-    # claim a stall. That claim is gone; the live one is the re-run's.
+    # claim a stall. That claim is gone; the live one is the re-run's (long
+    # enough to be live still when the worker notices its pool process died).
     client.set(prefix + "go:t", 1)
 
     assert result.get(timeout=30) == "t"
