@@ -658,8 +658,9 @@ class Chaos:
         counts = self.queue_counts() or {}
         try:
             metrics = self.store.metrics(QUEUE)
+            fenced = self.store.fenced(QUEUE)
         except redis.RedisError:
-            metrics = {}
+            metrics, fenced = {}, {}
         findings = self.findings(verdict)
         child_kills = sum(1 for k in self.kills if k.kind == "child")
         targets_met = (
@@ -693,6 +694,7 @@ class Chaos:
             "publish_error_samples": self.publisher.error_samples,
             "queue_at_end": counts,
             "queue_counters": metrics,
+            "settles_fenced": fenced,
             "ledger_bad_lines": self.ledger.bad_lines,
             "notes": self.notes,
             "verdict": verdict,
@@ -833,6 +835,7 @@ def report(result: dict[str, Any]) -> str:
         ),
         ("queue at end", json.dumps(result["queue_at_end"])),
         ("queue counters", json.dumps(result["queue_counters"])),
+        ("settles fenced", json.dumps(result["settles_fenced"])),
         ("seconds", json.dumps(result["seconds"])),
     ]
     width = max(len(k) for k, _ in rows)
