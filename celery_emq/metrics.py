@@ -19,6 +19,9 @@ metric                                      type     labels
 ``emq_jobs_stalled_total``                  counter  queue, reason
 ``emq_jobs_dead_lettered_total``            counter  queue, reason
 ``emq_jobs_retried_total``                  counter  queue
+``emq_settles_fenced_total``                counter  queue, reason (the verb: ``ack``,
+                                                     ``extend``, ``release``, ``bury``,
+                                                     ``start``, ``charge``)
 ``emq_up``                                  gauge    (1: the scrape read the broker)
 ==========================================  =======  ===========================
 
@@ -185,6 +188,15 @@ def _families(rows: list[dict[str, Any]], up: bool) -> Iterator[Metric]:
     yield pending_age
     yield lease_age
     yield from counters.values()
+    fenced = CounterMetricFamily(
+        "emq_settles_fenced",
+        "Settles that named a claim other than the job's live one (changed nothing).",
+        labels=["queue", "reason"],
+    )
+    for row in rows:
+        for verb, n in sorted(row["fenced"].items()):
+            fenced.add_metric([row["queue"], verb], n)
+    yield fenced
     if up:
         gauge = GaugeMetricFamily("emq_up", "1 when the scrape read the broker.")
         gauge.add_metric([], 1)

@@ -49,7 +49,7 @@ SETTLE_BATCH = 128
 _ACK_OUTCOMES = {
     Outcome.LEASE_LOST: "the lease had lapsed; the job completed, so it was deleted from pending",
     Outcome.DEAD: "the lease had lapsed; the job completed, so it left the morgue",
-    Outcome.FENCED: "a newer claim holds the job; left to it, marked completed",
+    Outcome.FENCED: "fenced: another claim holds the job now; left to it, marked completed",
     Outcome.NOT_FOUND: "already gone",
 }
 

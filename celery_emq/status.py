@@ -49,6 +49,7 @@ def queue_statuses(
             pipe.zrange(k.pending, 0, sample - 1)
             for name in METRICS:
                 pipe.hgetall(k.metrics(name))
+            pipe.hgetall(k.metrics("fenced"))
         replies = pipe.execute()
     if clustered:
         # A cluster pipeline carries keyed commands only: the clock of the
@@ -58,7 +59,7 @@ def queue_statuses(
     else:
         (secs, micros), *replies = replies
     now = int(secs) * 1000 + int(micros) // 1000 if now_ms is None else now_ms
-    per_queue = 2 + len(METRICS)
+    per_queue = 3 + len(METRICS)
     ids = [(replies[i * per_queue], replies[i * per_queue + 1]) for i in range(len(queues))]
     with client.pipeline(transaction=False) as pipe:
         for q, (active_ids, pending_ids) in zip(queues, ids, strict=True):
@@ -80,6 +81,7 @@ def queue_statuses(
             {f.decode(): int(v) for f, v in h.items()}
             for h in replies[i * per_queue + 2 : (i + 1) * per_queue]
         ]
+        fenced = hashes.pop()
         counters = {name: h.get("count", 0) for name, h in zip(METRICS, hashes, strict=True)}
         reasons: dict[str, dict[str, int]] = {}
         for name, h in zip(METRICS, hashes, strict=True):
@@ -102,6 +104,10 @@ def queue_statuses(
                 "oldest_pending_age_ms": now - min(enqueued) if enqueued else None,
                 "counters": counters,
                 "reasons": reasons,
+                # Settles that named a claim other than the live one, by verb.
+                "fenced": {
+                    f[len("reason:") :]: n for f, n in fenced.items() if f.startswith("reason:")
+                },
             }
         )
     return out

@@ -566,7 +566,8 @@ class Channel(ChannelCompat, kombu_redis.Channel):
         if BUDGET_OPTION not in headers:
             self._apply_task_budget(queue, job.id, headers.get("task"))
         if job.deliveries > 1 or job.stalled:
-            headers["redelivered"] = True
+            # Only the documented emq_* headers are added (kombu's contract: the
+            # headers are what was published); kombu's own flag is delivery_info's.
             headers[STALLED_HEADER] = job.stalled
             headers[DELIVERIES_HEADER] = job.deliveries
             props.setdefault("delivery_info", {})["redelivered"] = True

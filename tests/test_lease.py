@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import logging
 import time
 
+import pytest
 import redis
 
 from celery_emq.lease import Claim, LeaseKeeper, delivery_tag, parse_tag
@@ -85,3 +87,23 @@ def test_a_kept_claim_nobody_will_settle_is_let_go(store: JobStore, client: redi
     row = store.job("q", "lost")
     assert (row["state"], row["stalled"]) == ("pending", "0")  # uncounted: not its fault
     assert store.job("q", "seen")["state"] == "active"
+
+
+def test_a_fenced_release_changes_nothing_and_says_so_once(
+    store: JobStore, client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    store.enqueue("q", "a", b"{}", now_ms=1)
+    [stale] = store.claim("q", "me", now_ms=1000)
+    store.reap("q", now_ms=1000 + store.lease_ms + 1)
+    [live] = store.claim("q", "other", now_ms=7000)
+    k = ManualKeeper("me")
+    [tag] = k.hold(store, "q", [(stale.id, stale.token)], interval_ms=60_000)
+    with caplog.at_level(logging.WARNING, logger="celery_emq.lease"):
+        k.release(tag)
+    fenced = [r for r in caplog.records if "fenced" in r.getMessage()]
+    assert [r.getMessage() for r in fenced] == [
+        f"celery_emq: release of {tag} fenced: another claim holds the job now; left to it"
+    ]
+    assert store.fenced("q") == {"release": 1}
+    row = store.job("q", "a")
+    assert (row["state"], row["claim"], row["owner"]) == ("active", live.token, "other")

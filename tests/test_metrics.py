@@ -60,10 +60,14 @@ def test_one_scrape_reads_counts_lanes_ages_and_counters(store: JobStore) -> Non
     ]
     [c] = store.claim("q2", "w2", now_ms=NOW + 2 * store.lease_ms)
     store.start("q2", "s0", c.token)
+    stale = c.token
     swept = store.charge("q2", "s0", c.token, 1, "worker_lost")
     assert swept is not None and swept.outcome == "dead"
     store.retry("q2", ["s0"])
     [c] = store.claim("q2", "w2")
+    # The claim charged above is stale now: its renewal and ack are fenced.
+    assert store.extend("q2", [("s0", stale)]) == [("s0", stale)]
+    assert store.ack("q2", "s0", stale).name == "FENCED"
     store.ack("q2", "s0", c.token)
     for q in ("q1", "q2"):
         store.register(q)
@@ -97,6 +101,9 @@ def test_one_scrape_reads_counts_lanes_ages_and_counters(store: JobStore) -> Non
     assert q2("emq_jobs_dead_lettered_total", reason="worker_lost") == 1
     assert q2("emq_jobs_retried_total") == 1
     assert q2("emq_jobs_completed_total") == 1
+    assert q2("emq_settles_fenced_total", reason="extend") == 1
+    assert q2("emq_settles_fenced_total", reason="ack") == 1
+    assert ("emq_settles_fenced_total", (("queue", "q1"), ("reason", "ack"))) not in got
     assert q2("emq_oldest_pending_age_seconds") == 0
     assert [q2("emq_queue_jobs", state=s) for s in ("pending", "active", "delayed", "dead")] == [
         0,

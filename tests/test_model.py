@@ -7,19 +7,29 @@ marker, or never: a marker popped and lost by a consumer killed between BRPOP an
 claim), start, extend, ack, release, bury and charge their claims, freeze (their
 claims lapse unless they resume in time), and settle stale claims they held
 earlier, while sweeps, reaps, retries, purges and trims run in between. Every
-claim ever made is kept, so stale tokens keep being tried.
+claim ever made is kept, so stale tokens keep being tried. And the server
+forgets its last writes: the keys are saved at one step and put back at a later
+one (a restart from a snapshot, a failover to a replica that lagged), while the
+workers remember every claim they made since.
 
 A Python model says from the rules alone what every call must answer and where
 every job must be, and the keys are read back after each step:
 
 * each job is in exactly one of its lane, ``active`` or ``dead``, or gone with
   its row; the row's ``state`` says where it is; a claimed job's ``deliveries``
-  is the model's live token, its lease deadline and owner are the model's;
+  and claim id are the model's live claim, its lease deadline and owner are the
+  model's;
+* no claim id is ever issued twice, not even after the server forgot the claims
+  made since the keys were saved (the delivery count then repeats): so of all the
+  claims a job ever had, one at most is live and able to settle, start or renew;
 * each lane holds its jobs in the model's order: priority, then jobs put back
   (newest batch first, a batch in its own order), then FIFO;
 * stall counts (and history entries) are the lapses the model counted: a lapsed
   claim counts only if its task had started, a charge always does;
-* a settle never changes a live claim of another job, and a stale settle none;
+* a settle never changes a live claim of another job, and a stale settle none
+  (each one is counted in ``metrics:fenced`` by verb when the job is held by
+  another claim): a worker whose claim was lost never settles, starts or renews
+  the run under way on the job's live claim;
 * the counters add up to what the model counted.
 
 Wake markers: a script keeps one marker per claimable job, and only a consumer
@@ -31,10 +41,11 @@ nothing. So ``LLEN(wake) <= claimable`` always, and
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import hypothesis.strategies as st
@@ -45,7 +56,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from celery_emq.codec import pack
 from celery_emq.scripts import UNSET, Claimed, Outcome, Swept
 from celery_emq.store import JobStore
-from tests.conftest import REDIS_URL, delete_prefix
+from tests.conftest import REDIS_URL, delete_prefix, dump_keys, forget_writes
 
 QUEUE = "q"
 LEASE_MS = 1000
@@ -85,7 +96,8 @@ class Job:
     state: str = "pending"  # delayed | pending | active | dead | gone
     order: tuple[int, int] = (0, 0)  # (priority, position) in its lane while pending
     deliveries: int = 0
-    started: int = 0
+    token: str = ""  # the claim id of its latest claim
+    started: str = ""  # the claim id whose task started
     stalled: int = 0
     stalls: int = 0  # every stall counted, retries included: the history's entries
     owner: str = ""
@@ -101,7 +113,7 @@ class Job:
 class Claim:
     owner: str
     id: str
-    token: int
+    token: str
 
 
 class JobStoreModel(RuleBasedStateMachine):
@@ -114,9 +126,13 @@ class JobStoreModel(RuleBasedStateMachine):
         self.now = 1_000_000
         self.jobs: dict[str, Job] = {}
         self.claims: list[Claim] = []
-        self.holding: dict[str, list[tuple[str, int]]] = {o: [] for o in OWNERS}
+        self.holding: dict[str, list[tuple[str, str]]] = {o: [] for o in OWNERS}
         # Claims a frozen worker held: it neither settles nor renews them until it resumes.
-        self.frozen: dict[str, list[tuple[str, int]]] = {o: [] for o in OWNERS}
+        self.frozen: dict[str, list[tuple[str, str]]] = {o: [] for o in OWNERS}
+        # Jobs ever published (ids never repeat, even after the server forgot some).
+        self.published = 0
+        # The saved keys and the model's view of the server then (see remember).
+        self.saved: tuple[Any, dict[str, Any]] | None = None
         # Ordering state: tail and head positions, the groups with a lane, the lane served last.
         self.tail = 0
         self.head = 0
@@ -130,6 +146,8 @@ class JobStoreModel(RuleBasedStateMachine):
         # When the last sweep ran, and the last gap between sweeps over half a lease.
         self.swept_at: int | None = None
         self.outage: tuple[int, int] | None = None
+        # Settles that named a claim other than the job's live one, by verb.
+        self.fenced: dict[str, int] = {}
 
     def teardown(self) -> None:
         delete_prefix(self.client, self.prefix)
@@ -146,7 +164,14 @@ class JobStoreModel(RuleBasedStateMachine):
 
     def _live(self, c: Claim) -> bool:
         job = self.jobs[c.id]
-        return job.state == "active" and job.deliveries == c.token
+        return job.state == "active" and job.token == c.token
+
+    def _fences(self, job: Job, token: str, verb: str) -> bool:
+        """Whether a settle naming ``token`` is fenced: another claim holds the job."""
+        if job.state == "active" and job.token != token:
+            self.fenced[verb] = self.fenced.get(verb, 0) + 1
+            return True
+        return False
 
     def _take_marker(self) -> None:
         self.wake = max(0, self.wake - 1)
@@ -203,10 +228,9 @@ class JobStoreModel(RuleBasedStateMachine):
             job.deliveries += 1
             revoked = job.revoked
             job.owner, job.deadline = owner, self.now + LEASE_MS
-            self.claims.append(Claim(owner, job.id, job.deliveries))
-            self.holding[owner].append((job.id, job.deliveries))
+            # The claim id is random: it is read from the answer (see _took).
             expected.append(
-                Claimed(job.id, pack(job.payload), job.stalled, job.deliveries, revoked)
+                Claimed(job.id, pack(job.payload), job.stalled, job.deliveries, "", revoked)
             )
         if not self._in("pending") and not self.lanes:
             self.wake, self.cursor = 0, ""
@@ -214,11 +238,24 @@ class JobStoreModel(RuleBasedStateMachine):
             self.wake = max(0, self.wake - (len(taken) - held))
         return expected
 
-    def _ack_model(self, job_id: str, token: int) -> Outcome:
+    def _took(self, owner: str, claimed: list[Claimed], expected: list[Claimed]) -> None:
+        """Check a claim's answer against the model and note the claim ids it made."""
+        assert [replace(c, token="") for c in claimed] == expected
+        for c in claimed:
+            count, _, nonce = c.token.partition(".")
+            assert count == str(c.deliveries) and len(nonce) == 16
+            # Never issued before, to this job or any: the heart of fencing.
+            assert all(c.token != old.token for old in self.claims if old.id == c.id)
+            self.jobs[c.id].token = c.token
+            self.claims.append(Claim(owner, c.id, c.token))
+            self.holding[owner].append((c.id, c.token))
+
+    def _ack_model(self, job_id: str, token: str) -> Outcome:
         job = self.jobs[job_id]
-        if job.state == "gone":
+        if job.state in ("gone", "delayed"):
+            # Delayed: the claim was forgotten with the server's last writes.
             return Outcome.NOT_FOUND
-        if job.state == "active" and job.deliveries != token:
+        if self._fences(job, token, "ack"):
             # The only mark a stale ack leaves on a live claim: the job is done.
             job.completed = True
             return Outcome.FENCED
@@ -326,7 +363,8 @@ class JobStoreModel(RuleBasedStateMachine):
 
     def _enqueue(self, priority: int, group: str, budget: Any, ahead: int = 0) -> None:
         """Publish a job; with ``ahead`` its ETA is that far ahead (a delayed job)."""
-        job_id = f"j{len(self.jobs):03d}"
+        job_id = f"j{self.published:03d}"
+        self.published += 1
         payload = f'{{"id": "{job_id}"}}'.encode()
         eta = self.now + ahead if ahead else None
         outcome = self.store.enqueue(
@@ -396,15 +434,15 @@ class JobStoreModel(RuleBasedStateMachine):
     def _run(self, claimed: list[Claimed]) -> None:
         """Start the task of every claim at once, as a worker with nothing prefetched does."""
         for c in claimed:
-            assert self.store.start(QUEUE, c.id, c.deliveries) == Outcome.OK
-            self.jobs[c.id].started = c.deliveries
+            assert self.store.start(QUEUE, c.id, c.token) == Outcome.OK
+            self.jobs[c.id].started = c.token
 
     @precondition(lambda self: self._in("pending"))
     @rule(owner=st.sampled_from(OWNERS), count=COUNTS, run=st.booleans())
     def claim(self, owner: str, count: int, run: bool) -> None:
         expected = self._claim_model(owner, count, held=0)
         claimed = self.store.claim(QUEUE, owner, count, now_ms=self.now)
-        assert claimed == expected
+        self._took(owner, claimed, expected)
         if run:
             self._run(claimed)
 
@@ -418,7 +456,7 @@ class JobStoreModel(RuleBasedStateMachine):
         self._take_marker()
         expected = self._claim_model(owner, count, held=held)
         claimed = self.store.claim(QUEUE, owner, count, held=held, now_ms=self.now)
-        assert claimed == expected
+        self._took(owner, claimed, expected)
         if run:
             self._run(claimed)
 
@@ -446,7 +484,7 @@ class JobStoreModel(RuleBasedStateMachine):
         job = self.jobs[c.id]
         if job.state != "active":
             expected = Outcome.NOT_FOUND
-        elif job.deliveries != c.token:
+        elif self._fences(job, c.token, "start"):
             expected = Outcome.FENCED
         else:
             expected = Outcome.OK
@@ -463,9 +501,10 @@ class JobStoreModel(RuleBasedStateMachine):
         lost = []
         for job_id, token in held:
             job = self.jobs[job_id]
-            if job.state == "active" and job.deliveries == token:
+            if job.state == "active" and job.token == token:
                 job.deadline = self.now + LEASE_MS
             else:
+                self._fences(job, token, "extend")
                 lost.append((job_id, token))
         assert self.store.extend(QUEUE, held, now_ms=self.now) == lost
         self.holding[owner] = [c for c in held if c not in lost]
@@ -502,7 +541,7 @@ class JobStoreModel(RuleBasedStateMachine):
         job = self.jobs[c.id]
         if job.state != "active":
             expected = Outcome.NOT_FOUND
-        elif job.deliveries != c.token:
+        elif self._fences(job, c.token, "release"):
             expected = Outcome.FENCED
         elif job.completed:
             expected = Outcome.COMPLETED
@@ -520,9 +559,9 @@ class JobStoreModel(RuleBasedStateMachine):
         c = self._draw_claim(data, kind)
         before = self._others([c])
         job = self.jobs[c.id]
-        if job.state in ("gone", "dead"):
+        if job.state in ("gone", "dead", "delayed"):
             expected = Outcome.NOT_FOUND
-        elif job.state == "active" and job.deliveries != c.token:
+        elif self._fences(job, c.token, "bury"):
             expected = Outcome.FENCED
         elif job.completed:
             expected = Outcome.COMPLETED
@@ -548,6 +587,7 @@ class JobStoreModel(RuleBasedStateMachine):
         c = self._draw_claim(data, kind)
         before = self._others([c])
         expected = None
+        self._fences(self.jobs[c.id], c.token, "charge")
         if self._live(c) and self.jobs[c.id].completed:
             job = self.jobs[c.id]
             expected = Swept(job.id, "completed", job.stalled, b"")
@@ -586,7 +626,7 @@ class JobStoreModel(RuleBasedStateMachine):
                 expected.append(Swept(job.id, "completed", job.stalled, b""))
                 front.append(None)
                 self._done(job)
-            elif job.started != job.deliveries:
+            elif job.started != job.token:
                 expected.append(Swept(job.id, "requeued", job.stalled, b""))
                 front.append(job)
             else:
@@ -660,6 +700,36 @@ class JobStoreModel(RuleBasedStateMachine):
         n = self.store.trim(QUEUE, max_age_ms=max_age_ms, max_size=max_size, now_ms=self.now)
         assert n == len(doomed)
 
+    # -- the server forgets its last writes ------------------------------------------
+
+    #: What the server holds (the keys) and the model's view of it; not what the
+    #: workers remember (the claims they made and hold) nor the clock.
+    SERVER = (
+        "jobs", "tail", "head", "lanes", "cursor", "wake", "lost",
+        "metrics", "reasons", "swept_at", "outage", "fenced",
+    )  # fmt: skip
+
+    @rule()
+    def remember(self) -> None:
+        """The server saves its keys (an RDB snapshot, or what a lagging replica holds)."""
+        state = {name: copy.deepcopy(getattr(self, name)) for name in self.SERVER}
+        self.saved = (dump_keys(self.client, self.prefix), state)
+
+    @precondition(lambda self: self.saved is not None)
+    @rule()
+    def forget(self) -> None:
+        """The server comes back with the saved keys: every write since is lost."""
+        assert self.saved is not None
+        dumps, state = self.saved
+        forget_writes(self.client, self.prefix, dumps)
+        jobs = self.jobs
+        for name, value in state.items():
+            setattr(self, name, copy.deepcopy(value))
+        # Jobs published since are gone with their rows (their claims stay remembered).
+        for job_id, job in jobs.items():
+            if job_id not in self.jobs:
+                self.jobs[job_id] = replace(job, state="gone")
+
     # -- invariants -------------------------------------------------------------------
 
     @invariant()
@@ -678,6 +748,7 @@ class JobStoreModel(RuleBasedStateMachine):
             pipe.zrange(k.lanes, 0, -1).llen(k.wake).get(k.cursor)
             for name in METRICS:
                 pipe.hgetall(k.metrics(name))
+            pipe.hgetall(k.metrics("fenced"))
             # No gone job has a row or a message left (one EXISTS for them all).
             if gone:
                 pipe.exists(*gone)
@@ -712,7 +783,8 @@ class JobStoreModel(RuleBasedStateMachine):
             assert int(row.get("deliveries", 0)) == job.deliveries
             assert int(row.get("stalled", 0)) == job.stalled
             assert len(json.loads(row.get("history", "[]"))) == min(job.stalls, HISTORY)
-            assert row.get("started", "") == (str(job.started) if job.started else "")
+            assert row.get("started", "") == job.started
+            assert row.get("claim", "") == job.token
             assert row.get("group", "") == job.group
             assert row.get("completed", "") == ("1" if job.completed else "")
             assert row.get("owner", "") == (job.owner if job.state == "active" else "")
@@ -742,6 +814,9 @@ class JobStoreModel(RuleBasedStateMachine):
             # The queue is empty: the markers lost so far no longer count.
             self.lost = 0
 
+        fenced = {f.decode(): int(v) for f, v in counts.pop().items()}
+        assert fenced.pop("count", 0) == sum(self.fenced.values())
+        assert {f.removeprefix("reason:"): n for f, n in fenced.items()} == self.fenced
         hashes = [{f.decode(): int(v) for f, v in h.items()} for h in counts]
         assert {n: h.get("count", 0) for n, h in zip(METRICS, hashes, strict=True)} == self.metrics
         # Each counter's reason fields add up to it (retried and completed have none).

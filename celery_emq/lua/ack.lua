@@ -8,7 +8,8 @@
   ARGV[1..] id, token pairs (the token is the claim's id; at most 500 pairs)
   Returns one code per pair:
   0 OK        acked under the live claim it names; deleted
-  1 NOT_FOUND no such job (already acked or purged)
+  1 NOT_FOUND no such job (already acked or purged), or one waiting for its ETA (a
+              claim the server forgot with its last writes: the job runs when due)
   2 LEASE_LOST the claim had lapsed and the job waited in pending again; it has
               completed, so it is deleted and will not run again
   4 DEAD      the claim had lapsed and the job was dead-lettered; it has completed,
@@ -21,31 +22,21 @@
 local active, pending, wake, dead, completed = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local base = KEYS[6]
 
--- The live claim's token: its claim id; the delivery count for a claim made by a
--- version that kept no claim id (or whose id a later such claim left behind).
-local function live_token(claim, deliveries)
-  if claim and deliveries and string.match(claim, '^%d+') == deliveries then
-    return claim
-  end
-  return deliveries
-end
--- A settle naming a claim that is not the live one: counted by verb, changes nothing.
-local function count_fenced(verb)
-  redis.call('HINCRBY', base .. 'metrics:fenced', 'count', 1)
-  redis.call('HINCRBY', base .. 'metrics:fenced', 'reason:' .. verb, 1)
-end
 
 local out = {}
 for i = 1, #ARGV, 2 do
   local id, token = ARGV[i], ARGV[i + 1]
   local job = base .. 'job:' .. id
   local row = redis.call('HMGET', job, 'state', 'deliveries', 'group', 'claim')
+  -- The live claim: its id, or its delivery count if a version that keeps no claim id made it.
+  local live = (row[4] and string.match(row[4], '^%d+') == row[2]) and row[4] or row[2]
   local code
-  if not row[1] then
+  if not row[1] or row[1] == 'delayed' then
     code = 1
-  elseif row[1] == 'active' and live_token(row[4], row[2]) ~= token then
+  elseif row[1] == 'active' and live ~= token then
     redis.call('HSET', job, 'completed', 1)
-    count_fenced('ack')
+    redis.call('HINCRBY', base .. 'metrics:fenced', 'count', 1)
+    redis.call('HINCRBY', base .. 'metrics:fenced', 'reason:ack', 1)
     code = 5
   else
     if row[1] == 'active' then

@@ -14,7 +14,8 @@
   ARGV[4] error     human-readable detail
   ARGV[5] now_ms    '' takes the Redis server's clock
   Returns 0 OK (from the live claim it names, or from pending after that claim
-  lapsed: the verdict is on the message), 1 NOT_FOUND (no row, or already dead),
+  lapsed: the verdict is on the message), 1 NOT_FOUND (no row, already dead, or
+  waiting for its ETA: a claim the server forgot with its last writes),
   5 FENCED (another claim holds the job now; untouched but counted in
   <p>:{q}:metrics:fenced, reason:bury), 7 COMPLETED (an older
   claim completed the job: deleted and counted completed, never dead-lettered).
@@ -28,27 +29,17 @@ if not now_ms then
   now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- The live claim's token: its claim id; the delivery count for a claim made by a
--- version that kept no claim id (or whose id a later such claim left behind).
-local function live_token(claim, deliveries)
-  if claim and deliveries and string.match(claim, '^%d+') == deliveries then
-    return claim
-  end
-  return deliveries
-end
--- A settle naming a claim that is not the live one: counted by verb, changes nothing.
-local function count_fenced(verb)
-  redis.call('HINCRBY', base .. 'metrics:fenced', 'count', 1)
-  redis.call('HINCRBY', base .. 'metrics:fenced', 'reason:' .. verb, 1)
-end
 
 local row = redis.call('HMGET', job, 'state', 'deliveries', 'group', 'completed', 'claim')
-if not row[1] or row[1] == 'dead' then
+if not row[1] or row[1] == 'dead' or row[1] == 'delayed' then
   return 1
 end
 if row[1] == 'active' then
-  if live_token(row[5], row[2]) ~= token then
-    count_fenced('bury')
+  -- The live claim: its id, or its delivery count if a version that keeps no claim id made it.
+  local live = (row[5] and string.match(row[5], '^%d+') == row[2]) and row[5] or row[2]
+  if live ~= token then
+    redis.call('HINCRBY', base .. 'metrics:fenced', 'count', 1)
+    redis.call('HINCRBY', base .. 'metrics:fenced', 'reason:bury', 1)
     return 5
   end
   redis.call('ZREM', active, id)

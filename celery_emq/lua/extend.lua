@@ -17,19 +17,6 @@ if not now_ms then
 end
 local deadline = now_ms + lease_ms
 
--- The live claim's token: its claim id; the delivery count for a claim made by a
--- version that kept no claim id (or whose id a later such claim left behind).
-local function live_token(claim, deliveries)
-  if claim and deliveries and string.match(claim, '^%d+') == deliveries then
-    return claim
-  end
-  return deliveries
-end
--- A settle naming a claim that is not the live one: counted by verb, changes nothing.
-local function count_fenced(verb)
-  redis.call('HINCRBY', fenced, 'count', 1)
-  redis.call('HINCRBY', fenced, 'reason:' .. verb, 1)
-end
 
 local lost = {}
 for i = 3, #ARGV, 2 do
@@ -37,9 +24,11 @@ for i = 3, #ARGV, 2 do
   local live = false
   if redis.call('ZSCORE', active, id) then
     local row = redis.call('HMGET', jobs .. id, 'deliveries', 'claim')
-    live = live_token(row[2], row[1]) == token
+    -- The live claim: its id, or its delivery count if a version that keeps no claim id made it.
+    live = ((row[2] and string.match(row[2], '^%d+') == row[1]) and row[2] or row[1]) == token
     if not live then
-      count_fenced('extend')
+      redis.call('HINCRBY', fenced, 'count', 1)
+      redis.call('HINCRBY', fenced, 'reason:extend', 1)
     end
   end
   if live then

@@ -23,27 +23,17 @@ local id, token, unless_started = ARGV[1], ARGV[2], ARGV[3] == '1'
 
 local BAND = 1099511627776
 
--- The live claim's token: its claim id; the delivery count for a claim made by a
--- version that kept no claim id (or whose id a later such claim left behind).
-local function live_token(claim, deliveries)
-  if claim and deliveries and string.match(claim, '^%d+') == deliveries then
-    return claim
-  end
-  return deliveries
-end
--- A settle naming a claim that is not the live one: counted by verb, changes nothing.
-local function count_fenced(verb)
-  redis.call('HINCRBY', base .. 'metrics:fenced', 'count', 1)
-  redis.call('HINCRBY', base .. 'metrics:fenced', 'reason:' .. verb, 1)
-end
 
 if not redis.call('ZSCORE', active, id) then
   return 1
 end
 local row = redis.call('HMGET', job, 'deliveries', 'priority', 'group', 'started', 'completed',
   'claim')
-if live_token(row[6], row[1]) ~= token then
-  count_fenced('release')
+-- The live claim: its id, or its delivery count if a version that keeps no claim id made it.
+local live = (row[6] and string.match(row[6], '^%d+') == row[1]) and row[6] or row[1]
+if live ~= token then
+  redis.call('HINCRBY', base .. 'metrics:fenced', 'count', 1)
+  redis.call('HINCRBY', base .. 'metrics:fenced', 'reason:release', 1)
   return 5
 end
 if unless_started and row[4] == token then

@@ -10,26 +10,16 @@
 local job, fenced = KEYS[1], KEYS[2]
 local token = ARGV[1]
 
--- The live claim's token: its claim id; the delivery count for a claim made by a
--- version that kept no claim id (or whose id a later such claim left behind).
-local function live_token(claim, deliveries)
-  if claim and deliveries and string.match(claim, '^%d+') == deliveries then
-    return claim
-  end
-  return deliveries
-end
--- A settle naming a claim that is not the live one: counted by verb, changes nothing.
-local function count_fenced(verb)
-  redis.call('HINCRBY', fenced, 'count', 1)
-  redis.call('HINCRBY', fenced, 'reason:' .. verb, 1)
-end
 
 local row = redis.call('HMGET', job, 'state', 'deliveries', 'claim')
 if row[1] ~= 'active' then
   return 1
 end
-if live_token(row[3], row[2]) ~= token then
-  count_fenced('start')
+-- The live claim: its id, or its delivery count if a version that keeps no claim id made it.
+local live = (row[3] and string.match(row[3], '^%d+') == row[2]) and row[3] or row[2]
+if live ~= token then
+  redis.call('HINCRBY', fenced, 'count', 1)
+  redis.call('HINCRBY', fenced, 'reason:start', 1)
   return 5
 end
 redis.call('HSET', job, 'started', token)

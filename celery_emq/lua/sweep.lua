@@ -44,19 +44,6 @@ if not now_ms then
   now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- The live claim's token: its claim id; the delivery count for a claim made by a
--- version that kept no claim id (or whose id a later such claim left behind).
-local function live_token(claim, deliveries)
-  if claim and deliveries and string.match(claim, '^%d+') == deliveries then
-    return claim
-  end
-  return deliveries
-end
--- A settle naming a claim that is not the live one: counted by verb, changes nothing.
-local function count_fenced(verb)
-  redis.call('HINCRBY', base .. 'metrics:fenced', 'count', 1)
-  redis.call('HINCRBY', base .. 'metrics:fenced', 'reason:' .. verb, 1)
-end
 
 local BAND = 1099511627776
 local HISTORY = 20
@@ -100,7 +87,8 @@ for i, id in ipairs(ids) do
   local job = base .. 'job:' .. id
   local row = redis.call('HMGET', job, 'state', 'owner', 'priority', 'max_stalled', 'payload',
     'history', 'group', 'deliveries', 'started', 'completed', 'graced', 'claim')
-  local token = live_token(row[12], row[8])
+  -- The live claim: its id, or its delivery count if a version that keeps no claim id made it.
+  local token = (row[12] and string.match(row[12], '^%d+') == row[8]) and row[12] or row[8]
   -- The message is read only for what the caller reports (recovered, dead); rows
   -- written before messages had a key of their own hold it as `payload`.
   local function message()
@@ -109,7 +97,8 @@ for i, id in ipairs(ids) do
   local deadline = tonumber(redis.call('ZSCORE', active, id))
   local examine = deadline and (not charge or token == tokens[i])
   if deadline and not examine then
-    count_fenced('charge')
+    redis.call('HINCRBY', base .. 'metrics:fenced', 'count', 1)
+    redis.call('HINCRBY', base .. 'metrics:fenced', 'reason:charge', 1)
   end
   if examine and row[1] and not row[10] and outage_from and deadline > outage_from + lease_ms / 2
       and deadline <= outage_to + lease_ms / 2 and tonumber(row[11]) ~= deadline then

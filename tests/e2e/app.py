@@ -26,6 +26,8 @@ from celery import Celery
 import celery_emq
 from celery_emq.jobs import JobInfo
 from celery_emq.signals import job_dead_lettered
+from celery_emq.store import JobStore
+from celery_emq.worker_state import request_claim
 
 REDIS = os.environ.get("EMQ_E2E_REDIS", "redis://127.0.0.1:6379/11")
 PREFIX = os.environ.get("EMQ_E2E_PREFIX", "e2e:")
@@ -183,6 +185,31 @@ def die_on_go(self: Any, seconds: float, tag: str, victim: str) -> str:
             os.kill(os.getpid(), signal.SIGKILL)
 
     return _run_here(self, seconds, tag, hold)
+
+
+@app.task(bind=True)
+def claim_of(self: Any) -> dict[str, Any]:
+    """Return the claim this run was delivered under, as the task reads it, with its row.
+
+    The row's ``claim`` is the live claim id, and ``started`` the claim whose
+    start was recorded (by the worker's main process under prefork: waited for).
+    """
+    claim = request_claim(self.request)
+    row: dict[str, str] = {}
+    if claim is not None:
+        store = JobStore(rec(), PREFIX + "emq", LEASE_MS)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            row = store.job("celery", claim[0])
+            if row.get("started"):
+                break
+            time.sleep(0.05)
+    return {
+        "claim": list(claim) if claim else None,
+        "pid": os.getpid(),
+        "emq_claim": getattr(self.request, "emq_claim", None),
+        "row": {k: row.get(k) for k in ("claim", "started", "deliveries")},
+    }
 
 
 def note_unpickled(prefix: str, tag: str) -> str:

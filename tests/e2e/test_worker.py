@@ -256,3 +256,21 @@ def test_a_flooding_group_does_not_starve_another(
     wait_for(
         lambda: store.counts("celery") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}, 10
     )
+
+
+@pytest.mark.parametrize("pool", ["prefork", "solo"])
+def test_a_task_reads_its_claim_from_the_delivery_tag_in_any_process(
+    start_worker: Callable[..., Worker], capp: Any, pool: str
+) -> None:
+    # The claim's one carrier: the delivery tag in request.properties, which
+    # Celery hands to a prefork child too. No header carries it.
+    worker = start_worker("-c", "1", "-P", pool)
+    got = capp.send_task("tests.e2e.app.claim_of").get(timeout=30)
+    assert got["claim"] is not None
+    _job_id, token = got["claim"]
+    count, _, nonce = token.partition(".")
+    assert (count, len(nonce)) == ("1", 16)
+    # The very claim the store holds, and whose start the worker recorded.
+    assert got["row"] == {"claim": token, "started": token, "deliveries": "1"}
+    assert got["emq_claim"] is None
+    assert (got["pid"] != worker.proc.pid) == (pool == "prefork")

@@ -139,24 +139,20 @@ def assert_fenced(
 
 
 @pytest.mark.parametrize("op", sorted(STALE))
-def test_a_stale_settle_leaves_the_newer_claim_untouched(
-    op: str, client: redis.Redis, prefix: str
+@pytest.mark.parametrize("how", ["lapsed", "lost_writes"])
+def test_a_stale_settle_leaves_the_live_claim_untouched(
+    how: str, op: str, client: redis.Redis, prefix: str
 ) -> None:
-    store = JobStore(client, prefix + "emq", LEASE_MS)
-    stale, live = reclaimed(store)
-    if op == "start":
-        client.hdel(store.keys("q").job("a"), "started")
-    assert_fenced(op, store, client, prefix, stale, live)
-
-
-@pytest.mark.parametrize("op", sorted(STALE))
-def test_a_claim_lost_with_the_servers_last_writes_cannot_settle_the_claim_made_after(
-    op: str, client: redis.Redis, prefix: str
-) -> None:
-    # The same delivery count, the same owner: on the count alone, the stale
+    # lapsed: the stale claim's lease lapsed and the job was claimed again.
+    # lost_writes: the server forgot the stale claim and claimed the job again
+    # under the same delivery count and owner; on the count alone, the stale
     # claim's worker would renew, settle or charge the live claim of another run.
     store = JobStore(client, prefix + "emq", LEASE_MS)
-    stale, live = reclaimed_after_lost_writes(store, client, prefix)
+    if how == "lapsed":
+        stale, live = reclaimed(store)
+        client.hdel(store.keys("q").job("a"), "started")
+    else:
+        stale, live = reclaimed_after_lost_writes(store, client, prefix)
     assert_fenced(op, store, client, prefix, stale, live)
 
 
@@ -198,6 +194,28 @@ def test_a_claim_id_left_by_a_later_claim_of_an_earlier_version_is_not_the_live_
     assert store.ack("q", "a", "2") is Outcome.OK
     assert store.fenced("q") == {"ack": 1}
     assert live.startswith("2.")
+
+
+@pytest.mark.parametrize("op", ["ack", "bury"])
+def test_a_claim_forgotten_with_a_delayed_job_settles_nothing(
+    op: str, client: redis.Redis, prefix: str
+) -> None:
+    # The server forgets the claim and the promotion before it: the job waits
+    # for its ETA again, and runs when due.
+    store = JobStore(client, prefix + "emq", LEASE_MS)
+    store.enqueue("q", "a", b"{}", now_ms=1, eta_ms=500, task_id="t-a")
+    before = dump_keys(client, prefix)
+    assert store.promote("q", now_ms=600) == 1
+    [lost] = store.claim("q", "w1", now_ms=700)
+    forget_writes(client, prefix, before)
+    kept = snapshot(client, prefix)
+    if op == "ack":
+        assert store.ack("q", "a", lost.token) is Outcome.NOT_FOUND
+    else:
+        assert store.bury("q", "a", lost.token, "rejected", "", now_ms=800) is Outcome.NOT_FOUND
+    assert snapshot(client, prefix) == kept
+    assert store.promote("q", now_ms=900) == 1
+    assert [j.id for j in store.claim("q", "w2", now_ms=900)] == ["a"]
 
 
 def test_a_stale_ack_of_a_pending_job_deletes_it_and_one_marker(

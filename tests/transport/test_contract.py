@@ -496,3 +496,64 @@ def test_a_job_whose_wake_marker_was_lost_is_still_claimed(
     got = drain(conn, q, 1, timeout=5)
     assert [b for b, _ in got] == ["stranded"]
     assert store.counts("q") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
+
+
+#: What a message is published with: kombu must give every part of it back.
+PUBLISHED_HEADERS = {"x-trace": "t-1", "n": 3, "nested": {"a": [1, 2]}, "emq_group_like": "no"}
+PUBLISHED_PROPERTIES = {"priority": 7, "correlation_id": "c-1", "reply_to": "replies"}
+
+
+def simple_roundtrip(url: str, requeue: bool = False, **topts: Any) -> list[tuple[Any, ...]]:
+    """Put one message through ``SimpleQueue`` and get it (and, with ``requeue``, again).
+
+    Returns, per delivery: body, headers, properties (but the delivery tag,
+    which names one delivery) and whether it was redelivered.
+    """
+    out: list[tuple[Any, ...]] = []
+    with Connection(url, transport_options=topts) as conn, conn.SimpleQueue("sq") as sq:
+        sq.put({"hello": "world"}, headers=dict(PUBLISHED_HEADERS), **PUBLISHED_PROPERTIES)
+        for again in [False, True] if requeue else [False]:
+            message = sq.get(timeout=5)
+            properties = {k: v for k, v in message.properties.items() if k != "delivery_tag"}
+            redelivered = properties.pop("delivery_info", {}).get("redelivered", False)
+            out.append((message.payload, message.headers, properties, redelivered))
+            if requeue and not again:
+                message.requeue()
+            else:
+                message.ack()
+    return out
+
+
+def test_simple_queue_gets_back_exactly_what_it_put(broker_url: str, prefix: str) -> None:
+    [(body, headers, properties, redelivered)] = simple_roundtrip(
+        broker_url, global_keyprefix=prefix
+    )
+    assert body == {"hello": "world"}
+    # No internal bookkeeping (the claim travels in the delivery tag, not a header).
+    assert headers == PUBLISHED_HEADERS
+    assert {k: properties[k] for k in PUBLISHED_PROPERTIES} == PUBLISHED_PROPERTIES
+    assert not redelivered
+    # The same as kombu's in-memory transport gives back.
+    [stock] = simple_roundtrip("memory://")
+    assert (body, headers, properties) == stock[:3]
+
+
+def test_a_redelivery_adds_only_the_documented_emq_headers(broker_url: str, prefix: str) -> None:
+    first, second = simple_roundtrip(broker_url, requeue=True, global_keyprefix=prefix)
+    assert first[1] == PUBLISHED_HEADERS
+    # What a task reads from self.request: its stall count and delivery count.
+    assert second[1] == {**PUBLISHED_HEADERS, "emq_stalled": 0, "emq_deliveries": 2}
+    assert second[2] == first[2]
+    assert (first[3], second[3]) == (False, True)
+
+
+def test_producer_and_consumer_see_headers_properties_and_priority_as_published(
+    connect: ConnFactory,
+) -> None:
+    conn, q = connect(), queue()
+    publish(conn, q, ["x"], headers=dict(PUBLISHED_HEADERS), **PUBLISHED_PROPERTIES)
+    [(body, message)] = drain(conn, q, 1)
+    assert body == "x"
+    assert message.headers == PUBLISHED_HEADERS
+    assert {k: message.properties[k] for k in PUBLISHED_PROPERTIES} == PUBLISHED_PROPERTIES
+    assert message.properties["delivery_tag"] == message.delivery_tag
