@@ -19,6 +19,7 @@ from functools import cached_property
 from typing import Any
 
 from celery import states
+from celery.backends.rpc import RPCBackend
 
 from . import lease
 from .errors import StalledJobError
@@ -260,7 +261,8 @@ class Sweeper:
             return False
         try:
             backend = app.backend
-            if _is_disabled(backend):
+            if _is_disabled(backend) or isinstance(backend, RPCBackend):
+                # An RPC result travels to its caller's reply queue: none to read here.
                 return False
             return bool(backend.get_task_meta(info.task_id).get("status") == states.SUCCESS)
         except Exception:

@@ -253,3 +253,18 @@ def test_a_dead_letter_of_a_task_that_succeeded_keeps_its_success_and_sends_no_f
     # A job that completed is not left in the morgue.
     assert client.zrange(store.keys("celery").dead, 0, -1) == [failed_id.encode()]
     assert store.job("celery", done_id) == {}
+
+
+def test_an_rpc_result_is_not_read_back(
+    client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An RPC result is a message to the caller's reply queue: the sweep cannot
+    # read it, and must not consume the sweeping process's own replies trying.
+    rpc = Celery("rpc", broker="memory://", backend="rpc://", set_as_current=False)
+    read: list[str] = []
+    monkeypatch.setattr(
+        type(rpc.backend), "get_task_meta", lambda _b, task_id, **kw: read.append(task_id)
+    )
+    sweeper = Sweeper(JobStore(client, prefix + "emq", 5000), EmqOptions(), app=rpc)
+    assert sweeper._succeeded(JobInfo(id="j", queue="celery", task_id="t")) is False
+    assert read == []
