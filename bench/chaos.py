@@ -4,16 +4,19 @@ Starts its own ``redis-server`` (AOF, ``appendfsync always``) on a free loopback
 port and three workers of mixed pools (``bench/chaos_app.py``), publishes short
 tasks in batches while it SIGKILLs whole workers (their process groups) and
 prefork pool children, restarts Redis (same port, same directory) at chosen
-points, restarts every killed worker, waits for the queue to drain, and judges
-the run from the per-task ledger the tasks write (``bench/chaos_verdict.py``):
-tasks lost, tasks duplicated, and what explains each rerun.
+points, restarts it from a snapshot taken a moment before (``--lost-writes``:
+what a Redis persisting by RDB snapshots only does after a crash, and what a
+failover to a lagging replica does), restarts every killed worker, waits for
+the queue to drain, and judges the run from the per-task ledger the tasks
+write (``bench/chaos_verdict.py``): tasks lost, tasks duplicated, publishes a
+lost write took, and what explains each rerun.
 
     python bench/chaos.py --tasks 20000 --kills 300 --restarts 2 --json chaos.json
 
 Every loop is bounded in count and time (``--duration-limit-s``); every process
 it started is stopped on exit, error or Ctrl-C. Exit status: 0 when nothing was
-lost, every rerun is explained and every target (tasks, kills, restarts) was
-met; 1 when the verdict fails; 2 when the verdict holds but a target was not met.
+lost, every rerun is explained and every target (tasks, kills, restarts,
+lost writes) was met; 1 when the verdict fails; 2 when the verdict holds but a target was not met.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.chaos_app import TASK_NAME, make_conf, parse_max_stalled
-from bench.chaos_verdict import Kill, Ledger, Restart, judge
+from bench.chaos_verdict import Kill, Ledger, LostWrites, Restart, judge
 from celery_emq.store import JobStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,7 +82,9 @@ class RedisServer:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout_s: float = 30) -> None:
+    def start(self, timeout_s: float = 30, from_snapshot: bool = False) -> None:
+        # From a snapshot: AOF off, so that the server loads dump.rdb.
+        aof = ["no"] if from_snapshot else ["yes", "--appendfsync", "always"]
         self.proc = subprocess.Popen(
             [
                 "redis-server",
@@ -90,9 +95,7 @@ class RedisServer:
                 "--dir",
                 str(self.dir),
                 "--appendonly",
-                "yes",
-                "--appendfsync",
-                "always",
+                *aof,
                 "--save",
                 "",
                 "--daemonize",
@@ -117,6 +120,39 @@ class RedisServer:
                     raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"redis-server not answering within {timeout_s} s")
+                time.sleep(0.05)
+        finally:
+            client.close()
+
+    def start_from_snapshot(self, n: int, timeout_s: float = 30) -> float:
+        """Start again from the last ``SAVE``, then turn AOF back on.
+
+        The AOF (which holds every write) is set aside as ``*.before-lost-writes-<n>``
+        so the server cannot read it; once the server answers, AOF with
+        ``appendfsync always`` is turned on again and its rewrite awaited, so a
+        later restart keeps what came after. Returns when the server answered.
+        """
+        for name in ("appendonlydir", "appendonly.aof"):
+            path = self.dir / name
+            if path.exists():
+                path.rename(self.dir / f"{name}.before-lost-writes-{n}")
+        self.start(timeout_s, from_snapshot=True)
+        t_up = time.time()
+        client = redis.Redis(port=self.port, socket_timeout=5, socket_connect_timeout=2)
+        try:
+            client.config_set("appendfsync", "always")
+            client.config_set("appendonly", "yes")
+            deadline = time.monotonic() + timeout_s
+            while True:
+                info = client.info("persistence")
+                if (
+                    info.get("aof_enabled") == 1
+                    and not info.get("aof_rewrite_in_progress")
+                    and not info.get("aof_rewrite_scheduled")
+                ):
+                    return t_up
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"AOF not back on within {timeout_s} s: {info}")
                 time.sleep(0.05)
         finally:
             client.close()
@@ -305,8 +341,15 @@ class Chaos:
             for i, (pool, c) in enumerate(p.split(":") for p in args.pools.split(","))
         ]
         self.published: dict[str, int] = {}
+        #: When each publish was acknowledged (a lost write can take it).
+        self.published_at: dict[str, float] = {}
+        #: Tasks whose publish a lost write took (they may never run), as of
+        #: ``_taken_for`` restarts from a snapshot.
+        self.taken: set[str] = set()
+        self._taken_for = 0
         self.kills: list[Kill] = []
         self.restarts: list[Restart] = []
+        self.lost_writes: list[LostWrites] = []
         self.exits: list[dict[str, Any]] = []
         self.notes: list[str] = []
         self.redis_back: threading.Thread | None = None
@@ -427,6 +470,52 @@ class Chaos:
         self.event("redis_restart", t_down=t_down, t_up=t_up)
         self.say(f"redis back after {t_up - t_down:.1f} s")
 
+    def lose_writes(self) -> None:
+        """Snapshot Redis now; a thread SIGKILLs it ``--snapshot-lag-s`` later and
+        starts it again from the snapshot, losing every write in between.
+
+        The run goes on meanwhile, as for a restart.
+        """
+        t_snap = time.time()  # before SAVE: a publish acknowledged earlier is in the snapshot
+        self.client.save()
+        self.say(f"redis snapshot taken; crash in {self.args.snapshot_lag_s} s")
+        self.redis_back = threading.Thread(target=self._crash_to_snapshot, args=(t_snap,))
+        self.redis_back.daemon = True
+        self.redis_back.start()
+
+    def _crash_to_snapshot(self, t_snap: float) -> None:
+        time.sleep(self.args.snapshot_lag_s)
+        self.redis.stop(signal.SIGKILL)
+        t_down = time.time()
+        try:
+            t_up = self.redis.start_from_snapshot(len(self.lost_writes) + 1)
+        except Exception as exc:
+            self.redis_error = exc
+            return
+        self.lost_writes.append(LostWrites(t_snap, t_down, t_up))
+        self.event("lost_writes", t_snap=t_snap, t_down=t_down, t_up=t_up)
+        self.say(
+            f"redis back from the snapshot after {t_up - t_down:.1f} s "
+            f"({t_down - t_snap:.1f} s of writes lost)"
+        )
+
+    def update_taken(self) -> None:
+        """Note the publishes the restarts from a snapshot so far took."""
+        faults = self.lost_writes[: len(self.lost_writes)]
+        if len(faults) == self._taken_for:
+            return
+        self._taken_for = len(faults)
+        self.taken = {
+            t
+            for t, at in self.published_at.items()
+            if any(w.t_snap < at < w.t_down for w in faults)
+        }
+
+    def done(self) -> int:
+        """Tasks completed, or taken by a lost write (those may never complete)."""
+        self.update_taken()
+        return len(self.ledger.completed | self.taken)
+
     def redis_down(self) -> bool:
         """Whether a restart is under way; raises if Redis failed to come back."""
         if self.redis_error is not None:
@@ -453,6 +542,7 @@ class Chaos:
             f"published {len(self.published)}/{self.args.tasks}, "
             f"completed {len(self.ledger.completed)}, runs {len(self.ledger.runs)}, "
             f"kills {len(self.kills)} ({child} children), restarts {len(self.restarts)}, "
+            f"lost writes {len(self.lost_writes)}, "
             f"workers ready {ready}/{len(self.slots)}"
         )
 
@@ -460,6 +550,8 @@ class Chaos:
         a = self.args
         kill_at = [(i + 1) * 0.95 * a.tasks / max(a.kills, 1) for i in range(a.kills)]
         restart_at = [(j + 1) * a.tasks / (a.restarts + 1) for j in range(a.restarts)]
+        # Between the restarts: at 1/4 of the tasks for one, 1/6 and 1/2 for two, ...
+        lose_at = [(2 * j + 1) * a.tasks / (2 * a.lost_writes + 2) for j in range(a.lost_writes)]
         last_kill = 0.0
         next_status = time.monotonic() + 15
         next_id = 0
@@ -474,13 +566,19 @@ class Chaos:
                 next_status = now + 15
             self.ledger.poll()
             self.tend_workers()
-            done = len(self.ledger.completed)
+            done = self.done()
             if (
                 not self.redis_down()
                 and len(self.restarts) < a.restarts
                 and done >= restart_at[len(self.restarts)]
             ):
                 self.stop_redis()
+            if (
+                not self.redis_down()
+                and len(self.lost_writes) < a.lost_writes
+                and done >= lose_at[len(self.lost_writes)]
+            ):
+                self.lose_writes()
             kills = len(self.kills)
             if (
                 kills < a.kills
@@ -498,17 +596,22 @@ class Chaos:
                     task_id = f"chaos-{a.seed}-{next_id:07d}"
                     seconds = task_seconds(self.rng, a.lease_ms)
                     self.published[task_id] = self.publisher.publish(task_id, seconds)
+                    self.published_at[task_id] = time.time()
                     next_id += 1
             if (
                 next_id >= a.tasks
                 and len(self.kills) >= a.kills
                 and len(self.restarts) >= a.restarts
+                and len(self.lost_writes) >= a.lost_writes
             ):
                 return
             time.sleep(0.05)
 
     def drain(self, deadline: float) -> bool:
-        """Wait until every published task completed and the queue holds nothing."""
+        """Wait until every published task completed and the queue holds nothing.
+
+        A task whose publish a lost write took need not complete.
+        """
         next_status = time.monotonic() + 15
         while time.monotonic() < deadline:
             self.ledger.poll()
@@ -516,7 +619,8 @@ class Chaos:
             if time.monotonic() > next_status:
                 self.status()
                 next_status = time.monotonic() + 15
-            if all(t in self.ledger.completed for t in self.published):
+            self.update_taken()
+            if all(t in self.ledger.completed or t in self.taken for t in self.published):
                 counts = self.queue_counts()
                 if counts is not None and counts["pending"] == 0 and counts["active"] == 0:
                     return True
@@ -543,18 +647,27 @@ class Chaos:
             self.notes.append(f"not drained within the duration limit ({a.duration_limit_s} s)")
             self.say(self.notes[-1])
         self.ledger.poll()
-        verdict = judge(self.published, self.ledger.runs.values(), self.kills, self.restarts)
+        verdict = judge(
+            self.published,
+            self.ledger.runs.values(),
+            self.kills,
+            self.restarts,
+            self.lost_writes,
+            self.published_at,
+        )
         counts = self.queue_counts() or {}
         try:
             metrics = self.store.metrics(QUEUE)
+            fenced = self.store.fenced(QUEUE)
         except redis.RedisError:
-            metrics = {}
+            metrics, fenced = {}, {}
         findings = self.findings(verdict)
         child_kills = sum(1 for k in self.kills if k.kind == "child")
         targets_met = (
             len(self.published) >= a.tasks
             and len(self.kills) >= a.kills
             and len(self.restarts) >= a.restarts
+            and len(self.lost_writes) >= a.lost_writes
         )
         ok = drained and verdict["lost"] == 0 and verdict["unexplained_reruns"] == 0
         return {
@@ -574,18 +687,21 @@ class Chaos:
             "kills_of_children": child_kills,
             "kills_that_hit_running_tasks": sum(1 for k in self.kills if k.open_runs > 0),
             "redis_restarts": len(self.restarts),
+            "lost_writes": len(self.lost_writes),
             "worker_starts": sum(s.incarnation for s in self.slots),
             "unexpected_worker_exits": len(self.exits),
             "publish_errors": self.publisher.errors,
             "publish_error_samples": self.publisher.error_samples,
             "queue_at_end": counts,
             "queue_counters": metrics,
+            "settles_fenced": fenced,
             "ledger_bad_lines": self.ledger.bad_lines,
             "notes": self.notes,
             "verdict": verdict,
             "findings": findings,
             "kill_log": [asdict(k) for k in self.kills],
             "restart_log": [asdict(r) for r in self.restarts],
+            "lost_writes_log": [asdict(w) for w in self.lost_writes],
             "exit_log": self.exits,
         }
 
@@ -677,12 +793,22 @@ def report(result: dict[str, Any]) -> str:
         ),
         ("redis restarts", f"{result['redis_restarts']} (AOF, appendfsync always)"),
         (
+            "restarts from a snapshot",
+            f"{result['lost_writes']} (writes lost for "
+            + ", ".join(f"{w['t_down'] - w['t_snap']:.1f} s" for w in result["lost_writes_log"])
+            + ")",
+        ),
+        (
             "worker starts",
             f"{result['worker_starts']}, exits not caused: {result['unexpected_worker_exits']}",
         ),
         ("runs", f"{v['runs']} ({v['runs_interrupted']} interrupted)"),
         ("completed", str(v["completed"])),
         ("LOST", str(v["lost"])),
+        (
+            "publishes a lost write took",
+            f"{v['publishes_taken_by_lost_writes']} (never run: {len(v['taken_and_never_run'])})",
+        ),
         (
             "duplicated tasks",
             f"{v['duplicated_tasks']} (extra completions: {v['extra_completions']})",
@@ -696,6 +822,10 @@ def report(result: dict[str, Any]) -> str:
             f"{v['reruns_a_redis_restart_may_explain']})",
         ),
         ("  publish retry", str(why["publish_retry"])),
+        (
+            "  lost write",
+            f"{why['lost_write']} (among the causes of {v['reruns_a_lost_write_may_explain']})",
+        ),
         ("  UNEXPLAINED", str(why["unexplained"])),
         ("reruns on an older claim", str(v["reruns_on_an_older_claim"])),
         ("concurrent runs of a job", str(v["concurrent_runs"])),
@@ -705,11 +835,13 @@ def report(result: dict[str, Any]) -> str:
         ),
         ("queue at end", json.dumps(result["queue_at_end"])),
         ("queue counters", json.dumps(result["queue_counters"])),
+        ("settles fenced", json.dumps(result["settles_fenced"])),
         ("seconds", json.dumps(result["seconds"])),
     ]
     width = max(len(k) for k, _ in rows)
     head = (
         f"chaos: {a['tasks']} tasks, {a['kills']} kills, {a['restarts']} restarts, "
+        f"{a['lost_writes']} lost writes, "
         f"pools {a['pools']}, lease {a['lease_ms']} ms, seed {a['seed']}"
     )
     lines = [head, *(f"  {k:<{width}}  {val}" for k, val in rows)]
@@ -726,6 +858,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tasks", type=int, default=20_000)
     ap.add_argument("--kills", type=int, default=300, help="SIGKILLs of workers and children")
     ap.add_argument("--restarts", type=int, default=2, help="Redis restarts")
+    ap.add_argument(
+        "--lost-writes", type=int, default=0, help="Redis restarts from a snapshot (SIGKILL)"
+    )
+    ap.add_argument(
+        "--snapshot-lag-s", type=float, default=1.0, help="writes lost: snapshot to crash"
+    )
     ap.add_argument("--duration-limit-s", type=float, default=1200)
     ap.add_argument("--lease-ms", type=int, default=3000)
     ap.add_argument("--sweep-s", type=float, default=0.5, help="sweep_interval_s")
@@ -743,7 +881,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--redis-signal", choices=("term", "kill"), default="term")
     ap.add_argument("--workdir", help="logs, ledger and Redis data (default: a new temp dir)")
     args = ap.parse_args(argv)
-    for name in ("tasks", "kills", "restarts", "lease_ms", "backlog", "batch"):
+    for name in ("tasks", "kills", "restarts", "lost_writes", "lease_ms", "backlog", "batch"):
         if getattr(args, name) < (1 if name in ("tasks", "lease_ms", "backlog", "batch") else 0):
             ap.error(f"--{name.replace('_', '-')} is out of range")
     return args

@@ -21,6 +21,15 @@ can make a finished task run again:
 - ``publish_retry``: the rerun belongs to another job with the same task id,
   and that task's publish raised and was retried (the first attempt reached
   Redis but its reply did not).
+- ``lost_write``: Redis crashed and was restarted from a snapshot (losing
+  every write since it was taken: acks, claims, start records) after the
+  completed run started and before the rerun started. A claim lost while its run goes on
+  makes a rerun that overlaps it.
+
+A publish acknowledged after a snapshot and before the crash that restarted
+Redis from it was *taken* by the fault: it is counted apart, and is not lost
+(if it never ran, the server forgot it, as documented); every task whose
+publish the snapshot held must complete.
 
 Anything else is ``unexplained``. A kill is matched on the worker's node name
 (unique per incarnation) and, for a pool child, on the pid; its time is
@@ -31,7 +40,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -41,8 +50,9 @@ KILL_WHILE_RUNNING = "kill_while_running"
 KILL_BEFORE_ACK = "kill_before_ack"
 REDIS_RESTART = "redis_restart"
 PUBLISH_RETRY = "publish_retry"
+LOST_WRITE = "lost_write"
 UNEXPLAINED = "unexplained"
-EXPLANATIONS = (KILL_WHILE_RUNNING, KILL_BEFORE_ACK, REDIS_RESTART, PUBLISH_RETRY)
+EXPLANATIONS = (KILL_WHILE_RUNNING, KILL_BEFORE_ACK, REDIS_RESTART, PUBLISH_RETRY, LOST_WRITE)
 
 
 @dataclass
@@ -76,6 +86,18 @@ class Kill:
 class Restart:
     """One Redis restart: down from ``t_down`` (stop signal) until it answered at ``t_up``."""
 
+    t_down: float
+    t_up: float
+
+
+@dataclass
+class LostWrites:
+    """One restart from a snapshot: taken at ``t_snap``, SIGKILLed at ``t_down``, back at ``t_up``.
+
+    Every write Redis acknowledged in (``t_snap``, ``t_down``) is lost.
+    """
+
+    t_snap: float
     t_down: float
     t_up: float
 
@@ -150,11 +172,12 @@ def explain(
     publish_attempts: int,
     kills: Iterable[Kill],
     restarts: Iterable[Restart],
+    lost_writes: Iterable[LostWrites] = (),
 ) -> list[str]:
     """Return every cause (see the module doc) that explains ``next_run`` after ``run``.
 
-    Ordered by precedence: a kill of the process before a Redis restart. Empty
-    when nothing explains it.
+    Ordered by precedence: a kill of the process, a Redis restart, a lost
+    write. Empty when nothing explains it.
     """
     if next_run.job != run.job:
         return [PUBLISH_RETRY] if publish_attempts > 1 else []
@@ -170,6 +193,9 @@ def explain(
         causes.append(KILL_BEFORE_ACK)
     if any(r.t_up >= run.start and r.t_down <= next_run.start for r in restarts):
         causes.append(REDIS_RESTART)
+    # Whatever started after the crash was claimed from the snapshot's state.
+    if any(run.start <= w.t_down <= next_run.start for w in lost_writes):
+        causes.append(LOST_WRITE)
     return causes
 
 
@@ -178,6 +204,8 @@ def judge(
     runs: Iterable[Run],
     kills: list[Kill],
     restarts: list[Restart],
+    lost_writes: Sequence[LostWrites] = (),
+    published_at: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """Return the verdict over every published task.
 
@@ -189,12 +217,19 @@ def judge(
         published: task id -> publish attempts, for each task whose publish was
             acknowledged.
         runs: every run the ledger holds.
-        kills, restarts: what the chaos run did, with times.
+        kills, restarts, lost_writes: what the chaos run did, with times.
+        published_at: task id -> when its publish was acknowledged; a publish
+            acknowledged between a snapshot and its crash was taken by the fault.
     """
     by_task: dict[str, list[Run]] = defaultdict(list)
     for r in runs:
         by_task[r.task].append(r)
-    lost = sorted(t for t in published if not any(r.end is not None for r in by_task.get(t, ())))
+    at = published_at or {}
+    taken = {
+        t for t in published if t in at and any(w.t_snap < at[t] < w.t_down for w in lost_writes)
+    }
+    unrun = sorted(t for t in published if not any(r.end is not None for r in by_task.get(t, ())))
+    lost = [t for t in unrun if t not in taken]
     reruns: list[dict[str, Any]] = []
     concurrent = 0
     for task, task_runs in by_task.items():
@@ -210,7 +245,7 @@ def judge(
         for r, nxt in pairs:
             if r.end is not None and nxt.start < r.end:
                 concurrent += 1
-            causes = explain(r, nxt, published.get(task, 0), kills, restarts)
+            causes = explain(r, nxt, published.get(task, 0), kills, restarts, lost_writes)
             reruns.append(
                 {
                     "task": task,
@@ -230,9 +265,11 @@ def judge(
     return {
         "published": len(published),
         "publish_retried": sum(1 for a in published.values() if a > 1),
-        "completed": len(published) - len(lost),
+        "completed": len(published) - len(unrun),
         "lost": len(lost),
         "lost_tasks": lost,
+        "publishes_taken_by_lost_writes": len(taken),
+        "taken_and_never_run": [t for t in unrun if t in taken],
         "runs": sum(len(rs) for rs in by_task.values()),
         "runs_interrupted": sum(1 for rs in by_task.values() for r in rs if r.end is None),
         "duplicated_tasks": sum(1 for n in completed_per_task.values() if n > 1),
@@ -243,6 +280,7 @@ def judge(
         "reruns_a_redis_restart_may_explain": sum(
             1 for d in reruns if REDIS_RESTART in d["causes"]
         ),
+        "reruns_a_lost_write_may_explain": sum(1 for d in reruns if LOST_WRITE in d["causes"]),
         "concurrent_runs": concurrent,
         "reruns_on_an_older_claim": sum(1 for d in reruns if d["older_claim"]),
         "most_runs_per_task": max((len(rs) for rs in by_task.values()), default=0),

@@ -18,6 +18,9 @@ from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from typing import Any
 
+from celery import states
+from celery.backends.rpc import RPCBackend
+
 from . import lease
 from .errors import StalledJobError
 from .jobs import JobInfo, accepted_content, describe
@@ -216,6 +219,10 @@ class Sweeper:
                 report.graced.append(job.id)
                 continue
             info = describe(job.payload, queue, job.id, job.stalled, reason, accept=self.accept)
+            if job.outcome == "dead" and self._succeeded(info):
+                self._forget_succeeded(info)
+                report.completed.append(job.id)
+                continue
             _send(job_stalled, info)
             if job.outcome == "dead":
                 report.dead.append(job.id)
@@ -240,6 +247,41 @@ class Sweeper:
                     info.reason,
                 )
                 _send(job_recovered, info)
+
+    def _succeeded(self, info: JobInfo) -> bool:
+        """Whether the result backend already holds a SUCCESS for ``info``'s task.
+
+        A finished task's ack can be lost with the server's last writes (a
+        restart from a snapshot, a failover to a replica that lacked it): the
+        job comes back as a started claim that lapses, and the sweep may retire
+        it. Its task did complete, so that is no failure.
+        """
+        app = self.app or _current_app()
+        if app is None or not info.task_id:
+            return False
+        try:
+            backend = app.backend
+            if _is_disabled(backend) or isinstance(backend, RPCBackend):
+                # An RPC result travels to its caller's reply queue: none to read here.
+                return False
+            return bool(backend.get_task_meta(info.task_id).get("status") == states.SUCCESS)
+        except Exception:
+            logger.exception("celery_emq: could not read the result of %s", info.task_id)
+            return False
+
+    def _forget_succeeded(self, info: JobInfo) -> None:
+        """Take a retired job whose task succeeded out of the morgue; send nothing."""
+        logger.warning(
+            "celery_emq: %s[%s] lapsed in %s after its task succeeded (an ack the server "
+            "lost?): deleted as completed, its SUCCESS result kept",
+            info.task_name,
+            info.task_id,
+            info.queue,
+        )
+        try:
+            self.store.purge_dead(info.queue, [info.id])
+        except Exception:
+            logger.exception("celery_emq: could not delete completed job %s", info.id)
 
     def _record_failure(self, info: JobInfo) -> None:
         """Store a StalledJobError result and send ``task-failed`` for a dead task."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.chaos_verdict import Kill, Ledger, Restart, Run, judge
+from bench.chaos_verdict import Kill, Ledger, LostWrites, Restart, Run, judge
 
 
 def run(
@@ -126,3 +126,46 @@ def test_a_rerun_on_an_older_claim_is_flagged() -> None:
         ]
         == 0
     )
+
+
+def test_a_restart_from_a_snapshot_explains_a_rerun_across_it() -> None:
+    fault = LostWrites(t_snap=0.9, t_down=2.0, t_up=2.5)
+    across = judge({"a": 1}, [run("a", 1.0, 1.1), run("a", 5.0, 5.1)], [], [], [fault])
+    assert across["rerun_details"][0]["causes"] == ["lost_write"]
+    assert across["unexplained_reruns"] == 0
+    # A rerun that started before the restart, or a first run that started after it.
+    before = judge({"a": 1}, [run("a", 1.0, 1.1), run("a", 1.5, 1.6)], [], [], [fault])
+    after = judge({"a": 1}, [run("a", 3.0, 3.1), run("a", 5.0, 5.1)], [], [], [fault])
+    assert (before["unexplained_reruns"], after["unexplained_reruns"]) == (1, 1)
+    # An AOF restart is not a lost write, nor the other way round.
+    aof = judge({"a": 1}, [run("a", 1.0, 1.1), run("a", 5.0, 5.1)], [], [Restart(2.0, 2.5)])
+    assert aof["rerun_details"][0]["causes"] == ["redis_restart"]
+
+
+def test_a_claim_lost_while_its_run_goes_on_is_a_concurrent_rerun_a_lost_write_explains() -> None:
+    runs = [run("a", 1.0, 4.0), run("a", 3.0, 3.5, worker="w2.1@chaos")]
+    v = judge({"a": 1}, runs, [], [], [LostWrites(0.5, 2.0, 2.5)])
+    assert v["concurrent_runs"] == 1
+    assert v["rerun_details"][0]["explanation"] == "lost_write"
+    assert v["unexplained_reruns"] == 0
+
+
+def test_publishes_a_lost_write_took_are_counted_apart_from_the_lost() -> None:
+    published = {"held": 1, "held-unrun": 1, "taken-ran": 1, "taken": 1, "later": 1}
+    at = {"held": 0.5, "held-unrun": 0.6, "taken-ran": 1.2, "taken": 1.5, "later": 3.0}
+    runs = [
+        run("held", 2.6, 2.7, job="j1"),
+        run("taken-ran", 1.3, 1.4, job="j2"),
+        run("later", 3.1, 3.2, job="j3"),
+    ]
+    fault = LostWrites(1.0, 2.0, 2.5)
+    v = judge(published, runs, [], [], [fault], published_at=at)
+    # Every task whose publish the snapshot held ran; the fault took two publishes
+    # (acknowledged after the snapshot, before the crash), one of which had run.
+    assert v["lost_tasks"] == ["held-unrun"]
+    assert v["publishes_taken_by_lost_writes"] == 2
+    assert v["taken_and_never_run"] == ["taken"]
+    assert v["completed"] == 3
+    plain = judge(published, runs, [], [], published_at=at)
+    assert plain["lost_tasks"] == ["held-unrun", "taken"]
+    assert plain["publishes_taken_by_lost_writes"] == 0

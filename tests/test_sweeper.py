@@ -229,3 +229,42 @@ def test_a_sweep_skips_its_pass_when_its_own_claims_cannot_be_renewed(
     assert captured["stalled"] == []
     assert store.job("celery", mine)["stalled"] == "0"
     assert store.job("celery", theirs)["stalled"] == "0"
+
+
+@pytest.mark.usefixtures("no_worker_here")
+def test_a_dead_letter_of_a_task_that_succeeded_keeps_its_success_and_sends_no_failure(
+    app: Celery, client: redis.Redis, prefix: str, captured: dict[str, list[JobInfo]]
+) -> None:
+    # The server lost the ack of a finished task with its last writes (a restart
+    # from a snapshot, a failover): the job is back as a started claim that
+    # lapses, and a job that stalled before is dead-lettered by the sweep.
+    store = JobStore(client, prefix + "emq", 5000)
+    sweeper = Sweeper(store, EmqOptions(max_stalled=0), app=app)
+    done, done_id = lapse_one(app, store, 1000)
+    failed, failed_id = lapse_one(app, store, 1000)
+    app.backend.mark_as_done(done.id, 42)
+    report = sweeper.sweep("celery", now_ms=7000)
+    assert sorted(report.dead + report.completed) == sorted([done_id, failed_id])
+    assert (report.dead, report.completed) == ([failed_id], [done_id])
+    assert (done.state, done.get(timeout=5)) == ("SUCCESS", 42)
+    assert [j.task_id for j in captured["dead"]] == [failed.id]
+    with pytest.raises(StalledJobError):
+        failed.get(timeout=5)
+    # A job that completed is not left in the morgue.
+    assert client.zrange(store.keys("celery").dead, 0, -1) == [failed_id.encode()]
+    assert store.job("celery", done_id) == {}
+
+
+def test_an_rpc_result_is_not_read_back(
+    client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An RPC result is a message to the caller's reply queue: the sweep cannot
+    # read it, and must not consume the sweeping process's own replies trying.
+    rpc = Celery("rpc", broker="memory://", backend="rpc://", set_as_current=False)
+    read: list[str] = []
+    monkeypatch.setattr(
+        type(rpc.backend), "get_task_meta", lambda _b, task_id, **kw: read.append(task_id)
+    )
+    sweeper = Sweeper(JobStore(client, prefix + "emq", 5000), EmqOptions(), app=rpc)
+    assert sweeper._succeeded(JobInfo(id="j", queue="celery", task_id="t")) is False
+    assert read == []

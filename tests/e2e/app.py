@@ -150,14 +150,41 @@ def sleepy_here(self: Any, seconds: float, tag: str) -> str:
     Node names go to ``<prefix>ran-on:<tag>`` when a run starts and to
     ``<prefix>done-on:<tag>`` when it finishes.
     """
+    return _run_here(self, seconds, tag)
+
+
+def _run_here(self: Any, seconds: float, tag: str, hold: Any = None) -> str:
+    """``sleepy_here``'s body; ``hold()``, if given, runs once the start is noted."""
     note_run(tag)
     rec().rpush(PREFIX + "ran-on:" + tag, self.request.hostname)
+    if hold is not None:
+        hold()
     time.sleep(seconds)
     pipe = rec().pipeline()
     pipe.rpush(PREFIX + "done", tag)
     pipe.rpush(PREFIX + "done-on:" + tag, self.request.hostname)
     pipe.execute()
     return tag
+
+
+@app.task(bind=True)
+def die_on_go(self: Any, seconds: float, tag: str, victim: str) -> str:
+    """Run like ``sleepy_here``, except the first run on worker ``victim``.
+
+    That run waits (30 s at most) for ``<prefix>go:<tag>`` to exist, then kills
+    its pool process: the worker loses it and charges its claim a stall.
+    """
+
+    def hold() -> None:
+        if self.request.hostname.split("@")[0] != victim:
+            return
+        if rec().incr(PREFIX + "victim-runs:" + tag) == 1:
+            deadline = time.monotonic() + 30
+            while not rec().exists(PREFIX + "go:" + tag) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return _run_here(self, seconds, tag, hold)
 
 
 @app.task(bind=True)

@@ -100,6 +100,16 @@ class RedisServer:
         finally:
             c.close()
 
+    def restart_from_snapshot(self) -> None:
+        """SIGKILL the server and start it again from its last ``SAVE`` (``dump.rdb``).
+
+        Every write after that snapshot is lost, as when Redis, persisting by RDB
+        snapshots only (its default), crashes between two of them.
+        """
+        assert not self.aof, "an AOF server restarts from its AOF, not a snapshot"
+        self.stop()
+        self.start()
+
     def stop(self, sig: int = signal.SIGKILL) -> None:
         """Stop the server (SIGKILL by default: a crash) and wait for it."""
         if self.proc is not None and self.proc.poll() is None:
@@ -115,7 +125,7 @@ class RedisServer:
 
 
 class StallingProxy:
-    """A loopback TCP proxy to ``target_port`` that can leave its links half-open.
+    """A loopback TCP proxy to ``target_port`` that can leave its links half-open, or move them.
 
     After :meth:`freeze`, every connection open at that moment stays open but no
     byte crosses it again either way: the peer looks alive and never answers
@@ -189,6 +199,28 @@ class StallingProxy:
                     s.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def retarget(self, target_port: int) -> int:
+        """Forward to ``target_port`` from now on; close every open link, return how many.
+
+        The clients reconnect through the proxy and reach the other server, as
+        when a name or a virtual IP moves to another master.
+        """
+        with self._lock:
+            self.target_port = target_port
+            links, self._links = self._links, []
+        for down, up, _frozen in links:
+            for s in (down, up):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+        return len(links)
 
     def close(self) -> None:
         self._closed.set()
