@@ -224,7 +224,12 @@ class JobStore:
         ``None`` never dead-letters.
         """
         return self.scripts.sweep(
-            self.keys(queue), now_ms, limit, max_stalled, reason, self.lease_ms,
+            self.keys(queue),
+            now_ms,
+            limit,
+            max_stalled,
+            reason,
+            self.lease_ms,
             max_lapsed=max_lapsed,
         )
 
