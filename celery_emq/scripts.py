@@ -263,7 +263,7 @@ class Scripts:
         count: int,
         held: int = 0,
         ttl_ms: int = 0,
-        alone: bool = False,
+        alone: bool = True,
     ) -> list[Claimed]:
         """Claim up to ``count`` jobs, leasing each to ``owner``.
 

@@ -143,14 +143,15 @@ class JobStore:
         held: int = 0,
         ttl_ms: int = 0,
         now_ms: int | None = None,
-        alone: bool = False,
+        alone: bool = True,
     ) -> list[Claimed]:
         """Claim up to ``count`` jobs in priority/FIFO order under a lease.
 
         Each :class:`Claimed` carries its fencing token (``deliveries``), which
         every later settle of that claim names. A job that lapsed before its
-        task started is taken only ``alone`` (the caller holds no other claim),
-        in a batch of its own; the batch stops before it otherwise.
+        task started is taken only ``alone`` (the caller holds no other claim,
+        as a caller that does not say is taken to), in a batch of its own; the
+        batch stops before it otherwise.
         """
         return self.scripts.claim(
             self.keys(queue), now_ms, self.lease_ms, owner, count, held, ttl_ms, alone
