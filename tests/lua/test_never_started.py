@@ -126,3 +126,35 @@ def test_a_suspect_in_a_lane_goes_back_to_its_lane(store: JobStore, client: redi
     assert lapse_unstarted(store, "q", T0, alone=False) == []
     assert lapse_unstarted(store, "q", T0, alone=True) == ["g2"]
     assert client.zcard(lane) == 0
+
+
+def test_a_start_clears_the_count(store: JobStore) -> None:
+    enqueue(store, "q", ["a"])
+    assert lapse_unstarted(store, "q", T0) == ["a"]
+    now = T0 + store.lease_ms + 1
+    store.sweep("q", max_stalled=1, now_ms=now, max_lapsed=2)
+    assert store.job("q", "a")["lapsed"] == "1"
+    [c] = store.claim("q", "w1", now_ms=now)
+    bulk_start(store, "q", [(c.id, c.deliveries)])
+    assert "lapsed" not in store.job("q", "a")
+
+
+def test_a_job_retried_after_never_started_stays_a_suspect_and_dies_at_its_next_lapse(
+    store: JobStore, client: redis.Redis
+) -> None:
+    enqueue(store, "q", ["p"])
+    now = T0
+    for _ in range(2):
+        assert lapse_unstarted(store, "q", now) == ["p"]
+        now += store.lease_ms + 1
+        client.hset(store.keys("q").base + "swept", "at", now - 1)
+        store.sweep("q", max_stalled=1, now_ms=now, max_lapsed=1)
+    assert store.job("q", "p")["state"] == "dead"
+    assert store.retry("q", ["p"], now_ms=now) == ["p"]
+    assert store.job("q", "p")["lapsed"] == "2"
+    assert lapse_unstarted(store, "q", now, alone=False) == []
+    assert lapse_unstarted(store, "q", now) == ["p"]
+    now += store.lease_ms + 1
+    client.hset(store.keys("q").base + "swept", "at", now - 1)
+    [swept] = store.sweep("q", max_stalled=1, now_ms=now, max_lapsed=1)
+    assert (swept.id, swept.outcome) == ("p", "never_started")
