@@ -17,10 +17,13 @@ deserialize: Callable[..., Any] = serialization.loads
 #: kombu's (untyped) reading of an ``accept_content`` setting into MIME types.
 prepare_accept: Callable[..., Any] = serialization.prepare_accept_content
 
-__all__ = ["DEFAULT_ACCEPT", "JobInfo", "accepted_content", "describe"]
+__all__ = ["DEFAULT_ACCEPT", "NEVER_STARTED", "JobInfo", "accepted_content", "describe"]
 
 #: What is decoded when no app says otherwise: JSON only, never pickle or YAML.
 DEFAULT_ACCEPT: frozenset[str] = frozenset({"application/json"})
+#: The reason of a job dead-lettered because it lapsed again and again before its
+#: task started: its body may kill whatever decodes it, so it is never decoded.
+NEVER_STARTED = "never_started"
 
 
 def accepted_content(app: Any) -> frozenset[str]:
@@ -75,7 +78,9 @@ def describe(
 
     Only a body whose content type is in ``accept`` (MIME types, see
     :func:`accepted_content`) is decoded; the task's name and id still come
-    from the message's JSON headers. Never raises: what cannot or may not be
+    from the message's JSON headers. The body of a job dead-lettered as
+    ``never_started`` is never decoded (it may kill its decoder): its content
+    type and size are reported instead. Never raises: what cannot or may not be
     decoded is reported in ``decode_error``.
     """
     try:
@@ -98,6 +103,8 @@ def describe(
         body = message.get("body")
         if props.get("body_encoding") == "base64" and body is not None:
             body = base64.b64decode(body)
+        if reason == NEVER_STARTED:
+            raise _Undecoded(message.get("content-type"), body)
         decoded = deserialize(
             body,
             message.get("content-type"),
@@ -114,7 +121,9 @@ def describe(
             stalled=stalled,
             reason=reason,
             headers=headers,
-            decode_error=f"{type(exc).__name__}: {exc}",
+            decode_error=str(exc)
+            if isinstance(exc, _Undecoded)
+            else f"{type(exc).__name__}: {exc}",
         )
     args: Any = None
     kwargs: Any = None
@@ -139,6 +148,17 @@ def describe(
         reason=reason,
         headers=headers,
     )
+
+
+class _Undecoded(Exception):
+    """A body left undecoded on purpose, described by its content type and size."""
+
+    def __init__(self, content_type: Any, body: Any) -> None:
+        size = len(body.encode() if isinstance(body, str) else body or b"")
+        super().__init__(
+            f"{content_type or 'no content type'}, {size} bytes, not decoded: "
+            "the job never started, and decoding it may kill the process"
+        )
 
 
 def _text_or_none(value: Any) -> str | None:

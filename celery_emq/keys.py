@@ -76,6 +76,7 @@ JOB_FIELDS: tuple[str, ...] = (
     "started",  # the claim id of the latest claim whose task started
     "completed",  # set when an older claim completed the job while a newer one holds it
     "graced",  # the lease deadline the outage rule granted (once per deadline)
+    "lapsed",  # lapses before its task started (a suspect: claimed alone; capped by max_lapsed)
     "owner",  # worker identity holding the lease while active
     "enqueued_ms",  # first publish time
     "claimed_ms",  # time of the latest claim

@@ -52,6 +52,7 @@ REASONS: tuple[str, ...] = (
     "invalid_task",  # Celery refused the message as a task
     "unknown_message",  # not a task message
     "rejected",  # a consumer rejected it without requeue
+    "never_started",  # it lapsed again and again before its task started
     "stalled",  # any death by stalls (lease_expired or worker_lost)
 )
 
@@ -330,7 +331,8 @@ class Morgue:
             }
             # Rows written before messages had a key of their own hold it as `payload`.
             message = stored if stored is not None else row[0]
-            info = describe(message or "", queue, job_id, accept=self.accept)
+            reason = text["reason"] or text["last_error"] or ""
+            info = describe(message or "", queue, job_id, reason=reason, accept=self.accept)
             jobs.append(
                 DeadJob(
                     id=job_id,
@@ -341,7 +343,7 @@ class Morgue:
                     kwargs=info.kwargs,
                     group=info.group,
                     stalled=int(text["stalled"] or 0),
-                    reason=text["reason"] or text["last_error"] or "",
+                    reason=reason,
                     last_error=text["last_error"] or "",
                     error=text["error"] or "",
                     died_ms=int(text["died_ms"] or 0),

@@ -61,6 +61,11 @@ def _int(topts: Mapping[str, Any], name: str, default: int, low: int, high: int)
     return value
 
 
+#: The default ``max_lapsed`` is this many times ``max_stalled + 1``: generous, as
+#: an innocent job lapses unstarted each time a worker holding it prefetched dies.
+LAPSES_PER_STALL = 4
+
+
 @dataclass(frozen=True)
 class EmqOptions:
     """The celery_emq transport options, validated.
@@ -75,6 +80,11 @@ class EmqOptions:
             dead-letters it on its second stall, ``0`` dead-letters on the first,
             ``None`` never dead-letters. A task may set its own
             (``emq_max_stalled``).
+        max_lapsed: Lapses a job is forgiven before its task ever started (a
+            message that kills its worker while it is received or decoded);
+            past it the job is dead-lettered as ``never_started``. Defaults to
+            ``4 * (max_stalled + 1)``; ``None`` never dead-letters (the default
+            when ``max_stalled`` is ``None``).
         sweep_interval_s: How often each consuming worker sweeps its queues;
             defaults to a third of ``lease_ms`` and at most 5 s.
         sweep_batch: Most lapsed jobs one sweep script call examines.
@@ -96,6 +106,7 @@ class EmqOptions:
     claim_batch: int = 64
     key_prefix: str = "emq"
     max_stalled: int | None = 1
+    max_lapsed: int | None = 8
     sweep_interval_s: float = 5.0
     sweep_batch: int = 500
     dead_max_size: int = 10_000
@@ -135,6 +146,10 @@ class EmqOptions:
         max_stalled = topts.get("max_stalled", cls.max_stalled)
         if max_stalled is not None:
             max_stalled = _int(topts, "max_stalled", 1, 0, 1_000_000)
+        lapsed_default = None if max_stalled is None else LAPSES_PER_STALL * (max_stalled + 1)
+        max_lapsed = topts.get("max_lapsed", lapsed_default)
+        if "max_lapsed" in topts and max_lapsed is not None:
+            max_lapsed = _int(topts, "max_lapsed", 1, 1, 1_000_000)
         # A third of the lease keeps the gap between sweeps under half a lease,
         # which is what an outage looks like (see the warning below).
         interval_default = min(cls.sweep_interval_s, lease_ms / 3000)
@@ -161,6 +176,7 @@ class EmqOptions:
             claim_batch=claim_batch,
             key_prefix=f"{global_prefix}{prefix}",
             max_stalled=max_stalled,
+            max_lapsed=max_lapsed,
             sweep_interval_s=float(interval),
             sweep_batch=_int(topts, "sweep_batch", cls.sweep_batch, 1, 1000),
             dead_max_size=_int(topts, "dead_max_size", cls.dead_max_size, 0, 100_000_000),

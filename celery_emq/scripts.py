@@ -289,13 +289,18 @@ class Scripts:
         count: int,
         held: int = 0,
         ttl_ms: int = 0,
+        alone: bool = True,
     ) -> list[Claimed]:
-        """Claim up to ``count`` jobs, leasing each to ``owner`` under a fresh claim id."""
+        """Claim up to ``count`` jobs, leasing each to ``owner`` under a fresh claim id.
+
+        A job that lapsed before its task started is claimed only ``alone``
+        (the caller holds no other claim), and only as the first of the batch.
+        """
         nonce = new_nonce()
         reply = self._run(
             "claim",
             [k.pending, k.active, k.wake, k.seq, k.head, k.lanes, k.cursor, k.expires, k.base],
-            [_time_arg(now_ms), lease_ms, owner, count, held, ttl_ms, nonce],
+            [_time_arg(now_ms), lease_ms, owner, count, held, ttl_ms, nonce, int(alone)],
         )
         if len(reply) % 5:
             raise ScriptContractError(f"claim.lua answered {len(reply)} items")
@@ -419,12 +424,14 @@ class Scripts:
         reason: str,
         lease_ms: int,
         claims: Sequence[tuple[str, str]] = (),
+        max_lapsed: int | None = None,
     ) -> list[Swept]:
         """Count a stall on lapsed (or the named) claims; recover or dead-letter each.
 
         A lapsed claim whose task never started is requeued uncounted; one that
         lapsed in an outage (no sweep for over half ``lease_ms``) is granted
-        one more lease, once.
+        one more lease, once. Past ``max_lapsed`` lapses before a start
+        (``None``: no bound), a job is dead-lettered as ``never_started``.
         """
         reply = self._run(
             "sweep",
@@ -435,6 +442,7 @@ class Scripts:
                 -1 if max_stalled is None else max_stalled,
                 reason,
                 lease_ms,
+                -1 if max_lapsed is None else max_lapsed,
                 *(x for claim in claims for x in claim),
             ],
         )

@@ -143,15 +143,19 @@ class JobStore:
         held: int = 0,
         ttl_ms: int = 0,
         now_ms: int | None = None,
+        alone: bool = True,
     ) -> list[Claimed]:
         """Claim up to ``count`` jobs in priority/FIFO order under a lease.
 
         Each :class:`Claimed` carries its fencing token, the claim id
         (``token``: the delivery count and a nonce no rollback can reissue),
-        which every later settle of that claim names.
+        which every later settle of that claim names. A job that lapsed before
+        its task started is taken only ``alone`` (the caller holds no other
+        claim, as a caller that does not say is taken to), in a batch of its
+        own; the batch stops before it otherwise.
         """
         return self.scripts.claim(
-            self.keys(queue), now_ms, self.lease_ms, owner, count, held, ttl_ms
+            self.keys(queue), now_ms, self.lease_ms, owner, count, held, ttl_ms, alone
         )
 
     def start(self, queue: str, job_id: str, token: str) -> Outcome:
@@ -209,17 +213,26 @@ class JobStore:
         reason: str = "lease_expired",
         limit: int = 500,
         now_ms: int | None = None,
+        max_lapsed: int | None = None,
     ) -> list[Swept]:
         """Examine up to ``limit`` lapsed claims: count a stall on each that started.
 
         A started job is recovered (to the front of its queue) while its stall
         count is at most its budget, and dead-lettered past it. A job whose task
-        never started under the lapsed claim is requeued uncounted.
+        never started under the lapsed claim is requeued without a stall, but
+        such lapses are counted: past ``max_lapsed`` of them (``None``: no
+        bound) it is dead-lettered as ``never_started``.
         ``max_stalled`` is the budget of jobs that carry none of their own;
         ``None`` never dead-letters.
         """
         return self.scripts.sweep(
-            self.keys(queue), now_ms, limit, max_stalled, reason, self.lease_ms
+            self.keys(queue),
+            now_ms,
+            limit,
+            max_stalled,
+            reason,
+            self.lease_ms,
+            max_lapsed=max_lapsed,
         )
 
     def charge(

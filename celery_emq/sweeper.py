@@ -23,7 +23,7 @@ from celery.backends.rpc import RPCBackend
 
 from . import lease
 from .errors import StalledJobError
-from .jobs import JobInfo, accepted_content, describe
+from .jobs import NEVER_STARTED, JobInfo, accepted_content, describe
 from .options import EmqOptions
 from .scripts import Outcome, Swept
 from .signals import job_dead_lettered, job_recovered, job_stalled
@@ -96,6 +96,7 @@ class Sweeper:
                 "lease_expired",
                 self.options.sweep_batch,
                 now_ms,
+                max_lapsed=self.options.max_lapsed,
             )
             self._after(queue, swept, report, "lease_expired")
             if len(swept) < self.options.sweep_batch:
@@ -218,6 +219,21 @@ class Sweeper:
             if job.outcome == "graced":
                 report.graced.append(job.id)
                 continue
+            if job.outcome == NEVER_STARTED:
+                # Its body is never decoded here: it may be what kills a worker.
+                info = describe(job.payload, queue, job.id, job.stalled, NEVER_STARTED)
+                report.dead.append(job.id)
+                logger.error(
+                    "celery_emq: %s[%s] dead-lettered from %s: its lease lapsed before "
+                    "its task started more than max_lapsed=%s times (never_started)",
+                    info.task_name,
+                    info.task_id,
+                    queue,
+                    self.options.max_lapsed,
+                )
+                _send(job_dead_lettered, info)
+                self._record_failure(info)
+                continue
             info = describe(job.payload, queue, job.id, job.stalled, reason, accept=self.accept)
             if job.outcome == "dead" and self._succeeded(info):
                 self._forget_succeeded(info)
@@ -288,9 +304,14 @@ class Sweeper:
         app = self.app or _current_app()
         if app is None or not info.task_id:
             return
+        cause = (
+            "its lease lapsed again and again before it started"
+            if info.reason == NEVER_STARTED
+            else f"stalled {info.stalled} times"
+        )
         exc = StalledJobError(
             f"{info.task_name}[{info.task_id}] dead-lettered from {info.queue} as job "
-            f"{info.id}: stalled {info.stalled} times ({info.reason})",
+            f"{info.id}: {cause} ({info.reason})",
             info.id,
             info.queue,
             info.stalled,

@@ -511,9 +511,19 @@ class Channel(ChannelCompat, kombu_redis.Channel):
         return bool(claimed)
 
     def _claim(self, queue: str, count: int, held: int) -> list[tuple[dict[str, Any], str]]:
-        """Claim up to ``count`` jobs; return each decodable one's payload and delivery tag."""
+        """Claim up to ``count`` jobs; return each decodable one's payload and delivery tag.
+
+        A job that lapsed before its task started may kill this process while
+        it is received: the store hands it out only to a process that holds no
+        other claim (``alone``), so nothing else dies with it.
+        """
         claimed = self.store.claim(
-            queue, self.owner, count, held=held, ttl_ms=self._queue_ttl.get(queue, 0)
+            queue,
+            self.owner,
+            count,
+            held=held,
+            ttl_ms=self._queue_ttl.get(queue, 0),
+            alone=keeper().held_count() == 0,
         )
         if not claimed:
             return []

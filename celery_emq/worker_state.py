@@ -16,6 +16,7 @@ import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any, NamedTuple
 
 from ._compat import keep_started_jobs_on_flush
@@ -235,10 +236,36 @@ def _install_submit_probe() -> None:
         if tag and prefork and job is not None:
             with _submitted_lock:
                 _submitted[tag] = job
+        elif tag:
+            _give_back_if_cancelled(job, tag)
         return job
 
     apply_async._emq_probe = True  # type: ignore[attr-defined]
     BasePool.apply_async = apply_async
+
+
+def _give_back_if_cancelled(job: Any, tag: str) -> None:
+    """Release the claim of a task the threads pool cancels before it starts.
+
+    A warm shutdown of the threads pool (Celery 5.7; 5.4 runs them first)
+    cancels the tasks still queued in its executor, not yet accepted: they never
+    run, yet they were kept held as submitted when the channel closed. Their
+    claims go back at once, uncounted, as every other unstarted delivery of a
+    warm shutdown does, instead of waiting a lease (and counting a lapse)
+    after the process exits.
+    """
+    future = getattr(job, "f", None)  # the threads pool's ApplyResult
+    if not isinstance(future, Future):
+        return
+
+    def done(f: Future[Any]) -> None:
+        if f.cancelled():
+            from .lease import keeper
+
+            settled(tag)
+            keeper().release(tag)
+
+    future.add_done_callback(done)
 
 
 def _install_worker_lost_probe() -> None:

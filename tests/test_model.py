@@ -66,6 +66,8 @@ GROUPS = ("ga", "gb")
 HISTORY = 20
 #: The sweep's budget for jobs that carry none of their own.
 DEFAULT_BUDGET = 1
+#: Lapses before a start the model's sweeps forgive (``max_lapsed``).
+MAX_LAPSED = 2
 METRICS = ("completed", "recovered", "stalled", "failed", "retried")
 #: Which claim a settle names (see ``JobStoreModel._claims_of``).
 KINDS = ("live", "fenced", "lapsed", "any")
@@ -107,6 +109,7 @@ class Job:
     graced: int = 0  # the deadline an outage grace granted its claim
     eta: int = 0  # a delayed job's ETA
     revoked: bool = False  # promoted by a revoke of its task
+    lapsed: int = 0  # lapses before a start since its last start: a suspect when > 0
 
 
 @dataclass(frozen=True)
@@ -200,7 +203,7 @@ class JobStoreModel(RuleBasedStateMachine):
         jobs = self._lane(lane)
         return jobs[0] if jobs else None
 
-    def _claim_model(self, owner: str, count: int, held: int) -> list[Claimed]:
+    def _claim_model(self, owner: str, count: int, held: int, alone: bool = False) -> list[Claimed]:
         taken: list[Job] = []
         if not self.lanes:
             taken = self._lane("")[:count]
@@ -223,6 +226,17 @@ class JobStoreModel(RuleBasedStateMachine):
                 if nxt is not None and not self._lane(nxt):
                     self.lanes.discard(nxt)
             self.cursor = last
+        # A suspect is taken only alone and first; the batch stops before it
+        # otherwise, and the rest of it stays where it was (its lane included).
+        for i, job in enumerate(taken):
+            if job.lapsed:
+                keep = 1 if i == 0 and alone else i
+                for back in taken[keep:]:
+                    back.state = "pending"
+                    if back.group:
+                        self.lanes.add(back.group)
+                taken = taken[:keep]
+                break
         expected = []
         for job in taken:
             job.deliveries += 1
@@ -235,7 +249,9 @@ class JobStoreModel(RuleBasedStateMachine):
         if not self._in("pending") and not self.lanes:
             self.wake, self.cursor = 0, ""
         else:
-            self.wake = max(0, self.wake - (len(taken) - held))
+            self.wake = max(0, self.wake - max(0, len(taken) - held))
+            # A marker popped for a job the batch stopped before is not given back.
+            self.lost += max(0, held - len(taken))
         return expected
 
     def _took(self, owner: str, claimed: list[Claimed], expected: list[Claimed]) -> None:
@@ -440,26 +456,27 @@ class JobStoreModel(RuleBasedStateMachine):
         for c in claimed:
             assert self.store.start(QUEUE, c.id, c.token) == Outcome.OK
             self.jobs[c.id].started = c.token
+            self.jobs[c.id].lapsed = 0
 
     @precondition(lambda self: self._in("pending"))
-    @rule(owner=st.sampled_from(OWNERS), count=COUNTS, run=st.booleans())
-    def claim(self, owner: str, count: int, run: bool) -> None:
-        expected = self._claim_model(owner, count, held=0)
-        claimed = self.store.claim(QUEUE, owner, count, now_ms=self.now)
+    @rule(owner=st.sampled_from(OWNERS), count=COUNTS, run=st.booleans(), alone=st.booleans())
+    def claim(self, owner: str, count: int, run: bool, alone: bool) -> None:
+        expected = self._claim_model(owner, count, held=0, alone=alone)
+        claimed = self.store.claim(QUEUE, owner, count, now_ms=self.now, alone=alone)
         self._took(owner, claimed, expected)
         if run:
             self._run(claimed)
 
     @precondition(lambda self: self._in("pending"))
-    @rule(owner=st.sampled_from(OWNERS), count=COUNTS, run=st.booleans())
-    def claim_woken(self, owner: str, count: int, run: bool) -> None:
+    @rule(owner=st.sampled_from(OWNERS), count=COUNTS, run=st.booleans(), alone=st.booleans())
+    def claim_woken(self, owner: str, count: int, run: bool, alone: bool) -> None:
         marker = self.client.rpop(self.k.wake)
         assert (marker is None) == (self.wake == 0)
         # Without a marker the consumer's wait times out and it claims anyway (its scan).
         held = 0 if marker is None else 1
         self._take_marker()
-        expected = self._claim_model(owner, count, held=held)
-        claimed = self.store.claim(QUEUE, owner, count, held=held, now_ms=self.now)
+        expected = self._claim_model(owner, count, held=held, alone=alone)
+        claimed = self.store.claim(QUEUE, owner, count, held=held, now_ms=self.now, alone=alone)
         self._took(owner, claimed, expected)
         if run:
             self._run(claimed)
@@ -493,6 +510,7 @@ class JobStoreModel(RuleBasedStateMachine):
         else:
             expected = Outcome.OK
             job.started = c.token
+            job.lapsed = 0
         assert self.store.start(QUEUE, c.id, c.token) == expected
         self._untouched(before)
 
@@ -631,14 +649,24 @@ class JobStoreModel(RuleBasedStateMachine):
                 front.append(None)
                 self._done(job)
             elif job.started != job.token:
-                expected.append(Swept(job.id, "requeued", job.stalled, b""))
-                front.append(job)
+                job.lapsed += 1
+                if job.lapsed > MAX_LAPSED:
+                    self._kill(job)
+                    self._count("failed", "never_started")
+                    expected.append(Swept(job.id, "never_started", job.stalled, pack(job.payload)))
+                    front.append(None)
+                else:
+                    expected.append(Swept(job.id, "requeued", job.stalled, b""))
+                    front.append(job)
             else:
                 swept = self._stall(job, "lease_expired")
                 expected.append(swept)
                 front.append(job if swept.outcome == "recovered" else None)
         self._to_front(front)
-        assert self.store.sweep(QUEUE, DEFAULT_BUDGET, limit=limit, now_ms=self.now) == expected
+        swept = self.store.sweep(
+            QUEUE, DEFAULT_BUDGET, limit=limit, now_ms=self.now, max_lapsed=MAX_LAPSED
+        )
+        assert swept == expected
 
     @precondition(lambda self: self._lapsed(1))
     @rule(limit=LIMITS)
@@ -648,6 +676,8 @@ class JobStoreModel(RuleBasedStateMachine):
         for job in batch:
             if job.completed:
                 self._done(job)
+            elif job.started != job.token:
+                job.lapsed += 1
         self._to_front([None if j.completed else j for j in batch])
         assert self.store.reap(QUEUE, limit=limit, now_ms=self.now) == [j.id for j in reaped]
 
@@ -790,6 +820,7 @@ class JobStoreModel(RuleBasedStateMachine):
             assert len(json.loads(row.get("history", "[]"))) == min(job.stalls, HISTORY)
             assert row.get("started", "") == job.started
             assert row.get("claim", "") == job.token
+            assert int(row.get("lapsed", 0)) == job.lapsed
             assert row.get("group", "") == job.group
             assert row.get("completed", "") == ("1" if job.completed else "")
             assert row.get("owner", "") == (job.owner if job.state == "active" else "")

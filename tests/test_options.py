@@ -17,6 +17,24 @@ def test_defaults() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("opts", "max_lapsed"),
+    [
+        ({}, 8),
+        ({"max_stalled": 0}, 4),
+        ({"max_stalled": 3}, 16),
+        ({"max_stalled": None}, None),
+        ({"max_stalled": None, "max_lapsed": 5}, 5),
+        ({"max_stalled": 1, "max_lapsed": None}, None),
+        ({"max_lapsed": 1}, 1),
+    ],
+)
+def test_max_lapsed_defaults_to_four_times_the_stalls_a_job_may_make(
+    opts: dict[str, object], max_lapsed: int | None
+) -> None:
+    assert EmqOptions.from_transport_options(opts).max_lapsed == max_lapsed
+
+
 def test_renew_interval_follows_lease() -> None:
     assert EmqOptions.from_transport_options({"lease_ms": 3000}).renew_interval_ms == 1000
 
@@ -36,6 +54,9 @@ def test_global_keyprefix_goes_in_front() -> None:
         ({"claim_batch": 0}, "claim_batch"),
         ({"key_prefix": ""}, "key_prefix"),
         ({"key_prefix": "a{b}"}, "key_prefix"),
+        ({"max_lapsed": 0}, "max_lapsed"),
+        ({"max_lapsed": "8"}, "max_lapsed"),
+        ({"max_lapsed": True}, "max_lapsed"),
     ],
 )
 def test_invalid_option_is_named(opts: dict[str, object], name: str) -> None:

@@ -15,6 +15,7 @@
   ARGV[5] held      wake markers the caller already popped (BRPOP): 0 or 1
   ARGV[6] ttl_ms    > 0 for an x-expires queue: a claim is a use, so the queue lives on
   ARGV[7] nonce     a random value the caller made for this call (never reused)
+  ARGV[8] alone     1 when the caller holds no claim at all (of any queue), else 0
   Returns a flat array: id, message, stalled, deliveries, revoked, ... per claimed job
   (the message as stored, see celery_emq/codec.py; revoked is 1 for a delayed job
   promoted by a revoke, else 0).
@@ -23,12 +24,17 @@
   repeat when the server loses its last writes; the nonce cannot.
   With lanes, claims rotate one job at a time over the default lane and each
   group's lane (in name order), so no group can starve another.
+  A job whose lease lapsed before its task started (`lapsed` on its row) may be a
+  message that kills its worker before the task starts: it is claimed alone, by
+  a caller that holds nothing (alone), so no other claim dies with it. Otherwise
+  the batch stops before it, and it and those after it stay where they were.
 ]]
 local pending, active, wake, seq, head = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local lanes, cursor, expires, base = KEYS[6], KEYS[7], KEYS[8], KEYS[9]
 local lease_ms, owner = tonumber(ARGV[2]), ARGV[3]
 local count, held, ttl_ms = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local nonce = ARGV[7]
+local alone = ARGV[8] == '1'
 local now_ms = tonumber(ARGV[1])
 if not now_ms then
   local t = redis.call('TIME')
@@ -38,11 +44,13 @@ if ttl_ms > 0 then
   redis.call('SET', expires, 1, 'PX', ttl_ms)
 end
 
-local ids = {}
+-- Each id popped, with its score and its group (false: the default lane).
+local ids, scores, groups = {}, {}, {}
 if redis.call('EXISTS', lanes) == 0 then
   local popped = redis.call('ZPOPMIN', pending, count)
   for i = 1, #popped, 2 do
     ids[#ids + 1] = popped[i]
+    scores[#ids], groups[#ids] = popped[i + 1], false
   end
 else
   -- The rotation is: default lane (''), then each group in name order, around.
@@ -65,6 +73,7 @@ else
     local got = redis.call('ZPOPMIN', lane, 1)
     if got[1] then
       ids[#ids + 1] = got[1]
+      scores[#ids], groups[#ids] = got[2], nxt or false
       misses = 0
     elseif nxt then
       redis.call('ZREM', lanes, nxt)
@@ -79,10 +88,27 @@ else
   redis.call('SET', cursor, last)
 end
 
+-- Put the ids from the i-th on back where they were, unclaimed.
+local function put_back(i)
+  for j = i, #ids do
+    local lane = pending
+    if groups[j] then
+      lane = base .. 'g:' .. groups[j] .. ':pending'
+      redis.call('ZADD', lanes, 0, groups[j])
+    end
+    redis.call('ZADD', lane, scores[j], ids[j])
+  end
+end
+
 local out = {}
-for _, id in ipairs(ids) do
+for i, id in ipairs(ids) do
   local job = base .. 'job:' .. id
-  local row = redis.call('HMGET', job, 'state', 'stalled', 'payload', 'revoked')
+  local row = redis.call('HMGET', job, 'state', 'stalled', 'payload', 'revoked', 'lapsed')
+  local suspect = tonumber(row[5] or '0') > 0
+  if suspect and (#out > 0 or not alone) then
+    put_back(i)
+    break
+  end
   -- A row can be missing only when a foreign writer deleted it: skip the id.
   if row[1] then
     -- Rows written before messages had a key of their own hold it as `payload`.
@@ -96,6 +122,10 @@ for _, id in ipairs(ids) do
     out[#out + 1] = tonumber(row[2] or '0')
     out[#out + 1] = deliveries
     out[#out + 1] = row[4] and 1 or 0
+  end
+  if suspect then
+    put_back(i + 1)
+    break
   end
 end
 local claimed = #out / 5

@@ -8,6 +8,8 @@
   KEYS[6] base      <p>:{q}: (job rows and lane keys derive from it)
   ARGV[1] now_ms    '' takes the Redis server's clock
   ARGV[2] limit     most jobs reaped by this call (1..1000)
+  A job whose task never started under the lapsed claim has `lapsed` counted (so
+  the next claim takes it alone, see claim.lua); the reap dead-letters nothing.
   Returns the array of reaped ids. A job an older claim completed (its ack was
   fenced) is deleted and counted completed instead, and not returned. A batch keeps its order (earliest lapse first)
   at the front of the queue.
@@ -33,7 +35,10 @@ local out = {}
 for i, id in ipairs(ids) do
   local job = base .. 'job:' .. id
   redis.call('ZREM', active, id)
-  local row = redis.call('HMGET', job, 'state', 'group', 'completed', 'priority')
+  local row = redis.call('HMGET', job, 'state', 'group', 'completed', 'priority', 'started',
+    'deliveries', 'claim')
+  -- The lapsed claim: its id, or its delivery count if a version that keeps no claim id made it.
+  local token = (row[7] and string.match(row[7], '^%d+') == row[6]) and row[7] or row[6]
   if row[3] then
     -- An older claim completed the job (its ack was fenced): done, not run again.
     redis.call('DEL', job, base .. 'msg:' .. id)
@@ -46,6 +51,9 @@ for i, id in ipairs(ids) do
     end
     redis.call('ZADD', lane, tonumber(row[4] or '0') * BAND - (top - i + 1), id)
     redis.call('HSET', job, 'state', 'pending', 'owner', '', 'reason', 'lease_expired')
+    if row[5] ~= token then
+      redis.call('HINCRBY', job, 'lapsed', 1)
+    end
     redis.call('LPUSH', wake, 1)
     out[#out + 1] = id
   end

@@ -1,6 +1,7 @@
 --[[ start: record that the task of a claim has started, so a lapse of that claim is a stall.
   A lapsed claim whose task never started (prefetched, waiting for its ETA) is
-  requeued uncounted by the sweep.
+  requeued without a stall by the sweep, counted in `lapsed`; a start clears
+  that count (the job's message was received whole).
   KEYS[1] job       <p>:{q}:job:<id> (HASH)
   KEYS[2] fenced    <p>:{q}:metrics:fenced (HASH, fields count and reason:<verb>)
   ARGV[1] token     the claim's id
@@ -23,4 +24,5 @@ if live ~= token then
   return 5
 end
 redis.call('HSET', job, 'started', token)
+redis.call('HDEL', job, 'lapsed')
 return 0

@@ -11,12 +11,14 @@
   ARGV[3] max_stalled stalls forgiven when the row names no budget; -1 never dead-letters
   ARGV[4] reason      why these jobs stalled: lease_expired | worker_lost
   ARGV[5] lease_ms    the queue's lease: an outage is a gap between sweeps of over half of it
-  ARGV[6..] id, token pairs: charge these live claims (a worker lost the process
+  ARGV[6] max_lapsed  lapses before a start forgiven (see below); -1 never dead-letters
+  ARGV[7..] id, token pairs: charge these live claims (a worker lost the process
             running them) instead of examining the lapsed ones; a pair that names
             no live claim changes nothing and is counted in metrics:fenced
             (reason:charge)
-  Returns a flat array: id, outcome (recovered | dead | requeued | completed | graced),
-  stalled, message (as stored; false unless recovered or dead), ... A job an older claim completed (its ack was fenced, `completed`
+  Returns a flat array: id, outcome (recovered | dead | requeued | never_started |
+  completed | graced), stalled, message (as stored; false unless recovered, dead or
+  never_started), ... A job an older claim completed (its ack was fenced, `completed`
   is set) is deleted and counted completed instead (outcome completed).
   Outage rule: `<base>swept` (HASH at, from, to) keeps when sweeps ran. A live worker
   renews at least every half lease, so its lease lapses only if Redis did not hear from
@@ -27,7 +29,10 @@
   no time to renew) is granted one more lease uncounted, once per deadline (`graced`
   holds the deadline granted): outcome graced.
   A lapsed claim whose task never started (`started` is not its token) is
-  requeued uncounted (outcome requeued). A charged claim has started.
+  requeued without a stall (outcome requeued), but counted in the row's `lapsed`:
+  past max_lapsed such lapses (a message that kills its worker before its task
+  starts) the job is dead-lettered, reason never_started (outcome never_started).
+  A charged claim has started.
   Counters: metrics:stalled, :recovered and :failed count each event in field `count`
   and by its reason in field `reason:<reason>`.
   Budget: stalled <= max_stalled recovers (to the front of its queue or lane),
@@ -37,7 +42,7 @@ local active, pending, wake, head, dead = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KE
 local lanes, base = KEYS[6], KEYS[7]
 local limit = tonumber(ARGV[2])
 local default_budget, reason = tonumber(ARGV[3]), ARGV[4]
-local lease_ms = tonumber(ARGV[5])
+local lease_ms, max_lapsed = tonumber(ARGV[5]), tonumber(ARGV[6])
 local now_ms = tonumber(ARGV[1])
 if not now_ms then
   local t = redis.call('TIME')
@@ -49,12 +54,12 @@ local BAND = 1099511627776
 local HISTORY = 20
 local SWEPT_TTL_MS = 86400000
 
-local charge = #ARGV >= 6
+local charge = #ARGV >= 7
 local ids, tokens = {}, {}
 -- The outage window lapses are forgiven in (none unless one was seen).
 local outage_from, outage_to
 if charge then
-  for i = 6, math.min(#ARGV, 5 + 2 * limit), 2 do
+  for i = 7, math.min(#ARGV, 6 + 2 * limit), 2 do
     ids[#ids + 1] = ARGV[i]
     tokens[#ids] = ARGV[i + 1]
   end
@@ -127,15 +132,28 @@ for i, id in ipairs(ids) do
       redis.call('HINCRBY', base .. 'metrics:completed', 'count', 1)
       outcome = 'completed'
     elseif not charge and row[9] ~= token then
-      -- Never started under this claim: not the job's fault, so not a stall.
+      -- Never started under this claim: not the job's fault, so not a stall. Yet a
+      -- message that kills its worker before its task starts lapses like this every
+      -- time: such lapses are counted apart, and bounded.
       stalled = tonumber(redis.call('HGET', job, 'stalled') or '0')
-      if lane ~= pending then
-        redis.call('ZADD', lanes, 0, row[7])
+      local lapsed = redis.call('HINCRBY', job, 'lapsed', 1)
+      if max_lapsed >= 0 and lapsed > max_lapsed then
+        redis.call('HSET', job, 'state', 'dead', 'owner', '', 'last_error', 'never_started',
+          'reason', 'never_started', 'died_ms', now_ms, 'error', 'never_started: lapsed '
+          .. lapsed .. ' times before its task started, max_lapsed=' .. max_lapsed)
+        redis.call('ZADD', dead, now_ms, id)
+        redis.call('HINCRBY', base .. 'metrics:failed', 'count', 1)
+        redis.call('HINCRBY', base .. 'metrics:failed', 'reason:never_started', 1)
+        outcome = 'never_started'
+      else
+        if lane ~= pending then
+          redis.call('ZADD', lanes, 0, row[7])
+        end
+        redis.call('ZADD', lane, front(i, row[3]), id)
+        redis.call('HSET', job, 'state', 'pending', 'owner', '', 'reason', reason)
+        redis.call('LPUSH', wake, 1)
+        outcome = 'requeued'
       end
-      redis.call('ZADD', lane, front(i, row[3]), id)
-      redis.call('HSET', job, 'state', 'pending', 'owner', '', 'reason', reason)
-      redis.call('LPUSH', wake, 1)
-      outcome = 'requeued'
     else
       stalled = redis.call('HINCRBY', job, 'stalled', 1)
       local budget = default_budget
@@ -176,7 +194,7 @@ for i, id in ipairs(ids) do
     out[#out + 1] = id
     out[#out + 1] = outcome
     out[#out + 1] = stalled
-    if outcome == 'recovered' or outcome == 'dead' then
+    if outcome == 'recovered' or outcome == 'dead' or outcome == 'never_started' then
       out[#out + 1] = message()
     else
       out[#out + 1] = false

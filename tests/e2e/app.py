@@ -22,6 +22,7 @@ from typing import Any
 
 import redis
 from celery import Celery
+from kombu.serialization import register as register_serializer
 
 import celery_emq
 from celery_emq.jobs import JobInfo
@@ -58,6 +59,11 @@ def make_conf(
             "client_name": os.environ.get("EMQ_E2E_CLIENT_NAME", "emq-e2e"),
             "sweep_interval_s": float(os.environ.get("EMQ_E2E_SWEEP_S", "5")),
             "max_stalled": int(os.environ.get("EMQ_E2E_MAX_STALLED", "1")),
+            **(
+                {"max_lapsed": int(os.environ["EMQ_E2E_MAX_LAPSED"])}
+                if os.environ.get("EMQ_E2E_MAX_LAPSED")
+                else {}
+            ),
         },
         "broker_connection_retry_on_startup": True,
         "task_acks_late": os.environ.get("EMQ_E2E_ACKS_LATE", "1") == "1",
@@ -81,8 +87,29 @@ def client_app(
     return c
 
 
+#: A body holding this marker kills the process that decodes it (serializer ``doomed``).
+DOOM = "DOOM"
+
+
+def _doomed_loads(body: Any) -> Any:
+    """Decode JSON, but die at once (no cleanup, no exception) on a marked body.
+
+    Stands for a decoder that crashes the process: a C extension, an
+    out-of-memory kill while decoding. Celery's worker decodes a task's body in
+    its main process when it receives it, before any ``task_prerun``.
+    """
+    text = body.decode() if isinstance(body, bytes) else body
+    if DOOM in text:
+        os._exit(86)
+    return json.loads(text)
+
+
+register_serializer("doomed", json.dumps, _doomed_loads, "application/x-emq-doomed", "utf-8")
+
 app = Celery("e2e")
 app.conf.update(make_conf(REDIS, PREFIX, LEASE_MS, LEDGER, BROKER, BROKER_OPTIONS))
+if os.environ.get("EMQ_E2E_ACCEPT_DOOMED") == "1":
+    app.conf.accept_content = ["json", "doomed"]
 if BROKER_SSL is not None:
     app.conf.broker_use_ssl = BROKER_SSL
 if os.environ.get("EMQ_E2E_BEAT_S"):
