@@ -391,12 +391,16 @@ class Scripts:
         reason: str,
         lease_ms: int,
         claims: Sequence[tuple[str, int]] = (),
+        dead_max_age_ms: int = 0,
+        dead_max_size: int = 0,
     ) -> list[Swept]:
         """Count a stall on lapsed (or the named) claims; recover or dead-letter each.
 
         A lapsed claim whose task never started is requeued uncounted; one that
         lapsed in an outage (no sweep for over half ``lease_ms``) is granted
-        one more lease, once.
+        one more lease, once. A pass over lapsed claims (no ``claims``) then
+        applies the morgue's retention (0 disables a bound): each dead job it
+        deletes is reported with the outcome ``trimmed``.
         """
         reply = self._run(
             "sweep",
@@ -407,6 +411,8 @@ class Scripts:
                 -1 if max_stalled is None else max_stalled,
                 reason,
                 lease_ms,
+                dead_max_age_ms,
+                dead_max_size,
                 *(x for claim in claims for x in claim),
             ],
         )

@@ -208,6 +208,8 @@ class JobStore:
         reason: str = "lease_expired",
         limit: int = 500,
         now_ms: int | None = None,
+        dead_max_age_ms: int = 0,
+        dead_max_size: int = 0,
     ) -> list[Swept]:
         """Examine up to ``limit`` lapsed claims: count a stall on each that started.
 
@@ -215,10 +217,19 @@ class JobStore:
         count is at most its budget, and dead-lettered past it. A job whose task
         never started under the lapsed claim is requeued uncounted.
         ``max_stalled`` is the budget of jobs that carry none of their own;
-        ``None`` never dead-letters.
+        ``None`` never dead-letters. Then up to ``limit`` dead jobs past the
+        morgue's retention (``dead_max_age_ms``, ``dead_max_size``; 0 disables
+        a bound) are deleted, each reported with the outcome ``trimmed``.
         """
         return self.scripts.sweep(
-            self.keys(queue), now_ms, limit, max_stalled, reason, self.lease_ms
+            self.keys(queue),
+            now_ms,
+            limit,
+            max_stalled,
+            reason,
+            self.lease_ms,
+            dead_max_age_ms=dead_max_age_ms,
+            dead_max_size=dead_max_size,
         )
 
     def charge(

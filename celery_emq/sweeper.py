@@ -80,7 +80,8 @@ class Sweeper:
         """Count a stall on every lapsed job of ``queue``; recover or dead-letter each.
 
         Delayed jobs that are due are promoted first (consumers also promote
-        them, at least once a second, whenever they look for work).
+        them, at least once a second, whenever they look for work). The same
+        script calls apply the morgue's retention, on every pass.
         """
         report = SweepReport(queue)
         for _ in range(MAX_CALLS_PER_PASS):
@@ -93,6 +94,8 @@ class Sweeper:
                 "lease_expired",
                 self.options.sweep_batch,
                 now_ms,
+                dead_max_age_ms=self.options.dead_max_age_s * 1000,
+                dead_max_size=self.options.dead_max_size,
             )
             self._after(queue, swept, report, "lease_expired")
             if len(swept) < self.options.sweep_batch:
@@ -104,8 +107,6 @@ class Sweeper:
                 queue,
                 len(report.graced),
             )
-        if report.dead:
-            report.trimmed = self.trim(queue, now_ms)
         return report
 
     def reap(self, queue: str, now_ms: int | None = None) -> SweepReport:
@@ -198,6 +199,9 @@ class Sweeper:
 
     def _after(self, queue: str, swept: list[Swept], report: SweepReport, reason: str) -> None:
         for job in swept:
+            if job.outcome == "trimmed":
+                report.trimmed += 1
+                continue
             if job.outcome == "requeued":
                 report.requeued.append(job.id)
                 continue

@@ -11,11 +11,17 @@
   ARGV[3] max_stalled stalls forgiven when the row names no budget; -1 never dead-letters
   ARGV[4] reason      why these jobs stalled: lease_expired | worker_lost
   ARGV[5] lease_ms    the queue's lease: an outage is a gap between sweeps of over half of it
-  ARGV[6..] id, token pairs: charge these live claims (a worker lost the process
+  ARGV[6] dead_max_age_ms  morgue retention: dead jobs older than this are deleted (0: any age)
+  ARGV[7] dead_max_size    morgue retention: most dead jobs kept (0: any number)
+  ARGV[8..] id, token pairs: charge these live claims (a worker lost the process
             running them) instead of examining the lapsed ones
-  Returns a flat array: id, outcome (recovered | dead | requeued | completed | graced),
-  stalled, message (as stored; false unless recovered or dead), ... A job an older claim completed (its ack was fenced, `completed`
-  is set) is deleted and counted completed instead (outcome completed).
+  Returns a flat array: id, outcome (recovered | dead | requeued | completed | graced |
+  trimmed), stalled, message (as stored; false unless recovered or dead), ... A job an
+  older claim completed (its ack was fenced, `completed` is set) is deleted and counted
+  completed instead (outcome completed).
+  Retention: a pass that examines lapsed claims (not a charge) then deletes up to `limit`
+  dead jobs past the morgue's age or size bounds, oldest deaths first (outcome trimmed,
+  stalled 0): every sweep applies it, whether or not a job died since the last.
   Outage rule: `<base>swept` (HASH at, from, to) keeps when sweeps ran. A live worker
   renews at least every half lease, so its lease lapses only if Redis did not hear from
   it for half a lease; a pass finding that no sweep ran for over half a lease takes the
@@ -36,6 +42,7 @@ local lanes, base = KEYS[6], KEYS[7]
 local limit = tonumber(ARGV[2])
 local default_budget, reason = tonumber(ARGV[3]), ARGV[4]
 local lease_ms = tonumber(ARGV[5])
+local dead_max_age_ms, dead_max_size = tonumber(ARGV[6]), tonumber(ARGV[7])
 local now_ms = tonumber(ARGV[1])
 if not now_ms then
   local t = redis.call('TIME')
@@ -46,12 +53,12 @@ local BAND = 1099511627776
 local HISTORY = 20
 local SWEPT_TTL_MS = 86400000
 
-local charge = #ARGV >= 6
+local charge = #ARGV >= 8
 local ids, tokens = {}, {}
 -- The outage window lapses are forgiven in (none unless one was seen).
 local outage_from, outage_to
 if charge then
-  for i = 6, math.min(#ARGV, 5 + 2 * limit), 2 do
+  for i = 8, math.min(#ARGV, 7 + 2 * limit), 2 do
     ids[#ids + 1] = ARGV[i]
     tokens[#ids] = ARGV[i + 1]
   end
@@ -172,6 +179,32 @@ for i, id in ipairs(ids) do
     else
       out[#out + 1] = false
     end
+  end
+end
+
+if not charge then
+  -- Morgue retention, by age then by size, at most `limit` deletions per call.
+  local doomed = {}
+  if dead_max_age_ms > 0 then
+    doomed = redis.call('ZRANGE', dead, '-inf', '(' .. (now_ms - dead_max_age_ms), 'BYSCORE',
+      'LIMIT', 0, limit)
+  end
+  if dead_max_size > 0 and #doomed < limit then
+    local excess = redis.call('ZCARD', dead) - #doomed - dead_max_size
+    if excess > 0 then
+      local more = redis.call('ZRANGE', dead, #doomed, #doomed + math.min(excess, limit - #doomed) - 1)
+      for _, id in ipairs(more) do
+        doomed[#doomed + 1] = id
+      end
+    end
+  end
+  for _, id in ipairs(doomed) do
+    redis.call('ZREM', dead, id)
+    redis.call('DEL', base .. 'job:' .. id, base .. 'msg:' .. id)
+    out[#out + 1] = id
+    out[#out + 1] = 'trimmed'
+    out[#out + 1] = 0
+    out[#out + 1] = false
   end
 end
 return out
