@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -40,9 +42,11 @@ def known_contents(store: JobStore) -> None:
     store.enqueue(q, "e0", "{}", eta_ms=store.server_ms() + 3_600_000)
 
 
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
+def scrape(
+    port: int, path: str = "/metrics", timeout: float = 5
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
             text = r.read().decode()
     except OSError:
         return None
@@ -105,6 +109,12 @@ def test_the_exporter_serves_the_queue_counts_until_sigterm(
         # Each scrape reads the store afresh.
         store.enqueue("celery", "p3", "{}")
         assert jobs(scrape(port) or {})["pending"] == 4
+        # A client that connects and sends nothing does not hold up another scrape.
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as idle:
+            idle.sendall(b"GET /metrics HTTP/1.1\r\n")
+            started = time.monotonic()
+            assert jobs(scrape(port, timeout=1) or {})["pending"] == 4
+            assert time.monotonic() - started < 1
     finally:
         code = stop(exporter)
     assert code == 0, log.read_text()
