@@ -57,6 +57,7 @@ SCRIPT_NAMES: tuple[str, ...] = (
     "give_back",
     "promote",
     "tally",
+    "oldest",
 )
 
 #: Most claims one ``extend`` call carries (the rest go in further calls).
@@ -171,6 +172,23 @@ def read_tally(reply: Any) -> tuple[dict[str, int], list[tuple[str, int, int | N
     return counts, page
 
 
+def _oldest_call(
+    k: QueueKeys, lane_offset: int, lane_limit: int, active_offset: int, active_limit: int
+) -> tuple[list[str], list[Any]]:
+    return (
+        [k.pending, k.active, k.lanes, k.base],
+        [lane_offset, lane_limit, active_offset, active_limit],
+    )
+
+
+def read_oldest(reply: Any) -> tuple[int | None, int | None]:
+    """Read what ``oldest.lua`` answered (see :meth:`Scripts.oldest`)."""
+    if not isinstance(reply, list) or len(reply) != 2:
+        raise ScriptContractError(f"oldest.lua answered {reply!r}")
+    enqueued, claimed = reply
+    return (int(enqueued) if enqueued else None, int(claimed) if claimed else None)
+
+
 class Scripts:
     """The Lua transitions, registered on one redis-py client."""
 
@@ -245,6 +263,17 @@ class Scripts:
         """
         reply = self._run("tally", self.tally_keys(k), [offset, limit, 1 if heads else 0])
         return read_tally(reply)
+
+    def oldest(
+        self, k: QueueKeys, lane_offset: int, lane_limit: int, active_offset: int, active_limit: int
+    ) -> tuple[int | None, int | None]:
+        """Return the least ``enqueued_ms`` of a page of lanes and ``claimed_ms`` of active jobs.
+
+        The default lane is read with the first page of lanes (``lane_offset`` 0);
+        each lane is read at the head of every priority band in use.
+        """
+        keys, args = _oldest_call(k, lane_offset, lane_limit, active_offset, active_limit)
+        return read_oldest(self._run("oldest", keys, args))
 
     @staticmethod
     def tally_keys(k: QueueKeys) -> list[str]:
@@ -595,6 +624,13 @@ class Batch:
             [("tally", Scripts.tally_keys(k), [offset, limit, 1 if heads else 0])],
             lambda replies: read_tally(replies[0]),
         )
+
+    def oldest(
+        self, k: QueueKeys, lane_offset: int, lane_limit: int, active_offset: int, active_limit: int
+    ) -> int:
+        """Queue :meth:`Scripts.oldest`; its result is (enqueued_ms, claimed_ms)."""
+        call = _oldest_call(k, lane_offset, lane_limit, active_offset, active_limit)
+        return self._add([("oldest", *call)], lambda replies: read_oldest(replies[0]))
 
     def execute(self, confirm: Callable[[Any], None] | None = None) -> None:
         """Send every queued call in one round trip.

@@ -22,6 +22,10 @@ __all__ = ["JobStore"]
 PURGE_BATCH = 1000
 #: Most lanes one ``tally`` script call reads.
 LANE_PAGE = 10_000
+#: Most fair lanes one ``oldest`` script call reads (a call per priority band in use each).
+OLDEST_LANE_PAGE = 1000
+#: Most active jobs one ``oldest`` script call reads.
+ACTIVE_PAGE = 5000
 #: Most due delayed jobs one ``promote`` script call moves.
 PROMOTE_BATCH = 1000
 #: The counters every queue keeps (``<p>:{q}:metrics:<name>``, field ``count``).
@@ -423,6 +427,54 @@ class JobStore:
             out.append(self._lanes_read(queue, counts, page, heads))
         return out
 
+    def gauges(
+        self, queues: Sequence[str]
+    ) -> list[tuple[dict[str, int], dict[str, int], int | None, int | None]]:
+        """Return each queue's counts and lanes (as :meth:`tally`) and its two oldest times.
+
+        The times are the least ``enqueued_ms`` of its pending jobs (read at the
+        head of each priority band of each lane, see ``oldest.lua``) and the
+        least ``claimed_ms`` of its active jobs (``None`` when there are none).
+        One round trip for every queue, and one more for every queue past the
+        first :data:`OLDEST_LANE_PAGE` lanes or :data:`ACTIVE_PAGE` active jobs
+        (a script call for each further page of either).
+        """
+        if not queues:
+            return []
+        batch = self.scripts.batch()
+        handles = [
+            (
+                batch.tally(self.keys(q), 0, LANE_PAGE),
+                batch.oldest(self.keys(q), 0, OLDEST_LANE_PAGE, 0, ACTIVE_PAGE),
+            )
+            for q in queues
+        ]
+        batch.execute()
+        # The pages past the first, of every queue, in one more round trip.
+        more = self.scripts.batch()
+        rows = []
+        for queue, (tally, oldest) in zip(queues, handles, strict=True):
+            counts, page = batch.result(tally)
+            counts, lanes, _ = self._lanes_read(queue, counts, page, False)
+            pages = []
+            lanes_at, active_at = OLDEST_LANE_PAGE, ACTIVE_PAGE
+            while lanes_at < counts["lanes"] or active_at < counts["active"]:
+                lane_limit = OLDEST_LANE_PAGE if lanes_at < counts["lanes"] else 0
+                active_limit = ACTIVE_PAGE if active_at < counts["active"] else 0
+                k = self.keys(queue)
+                pages.append(more.oldest(k, lanes_at, lane_limit, active_at, active_limit))
+                lanes_at += OLDEST_LANE_PAGE
+                active_at += ACTIVE_PAGE
+            rows.append((counts, lanes, batch.result(oldest), pages))
+        more.execute()
+        out = []
+        for counts, lanes, (enqueued, claimed), pages in rows:
+            for handle in pages:
+                page_enqueued, page_claimed = more.result(handle)
+                enqueued, claimed = _least(enqueued, page_enqueued), _least(claimed, page_claimed)
+            out.append((counts, lanes, enqueued, claimed))
+        return out
+
     def _lanes_read(
         self,
         queue: str,
@@ -481,6 +533,10 @@ class JobStore:
             except ValueError:
                 job["payload"] = ""
         return job
+
+
+def _least(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else min(a, b)
 
 
 def _text(value: bytes | str) -> str:

@@ -45,14 +45,20 @@ class Recorder:
 
             def __call__(self, keys: list[Any], args: list[Any], client: Any) -> Any:
                 recorder.calls.append((keys, args))
-                return 0 if "trim" in source.split("\n", 1)[0] else []
+                return reply(source)
 
         return Run()
 
     def evalsha(self, sha: str, numkeys: int, *keys_and_args: Any) -> Any:
         """The direct call :meth:`Scripts._run` makes (``sha`` is the source here)."""
         self.calls.append((list(keys_and_args[:numkeys]), list(keys_and_args[numkeys:])))
-        return 0 if "trim" in sha.split("\n", 1)[0] else []
+        return reply(sha)
+
+
+def reply(source: str) -> Any:
+    """An empty answer of the script whose source is given, in the shape its wrapper reads."""
+    first = source.split("\n", 1)[0]
+    return 0 if "trim" in first else [None, None] if "oldest" in first else []
 
 
 Call = Callable[[Scripts, QueueKeys], Any]
@@ -76,6 +82,7 @@ CALLS: dict[str, tuple[Call, int]] = {
     "give_back": (lambda s, k: s.give_back(k), 0),
     "promote": (lambda s, k: s.promote(k, 1, 10, ["t1", "t2"]), 2),
     "tally": (lambda s, k: s.tally(k, 0, 10, True), 0),
+    "oldest": (lambda s, k: s.oldest(k, 0, 10, 0, 10), 0),
 }
 
 #: Calls that leave the time to the Redis server (``now_ms=None``).
