@@ -387,10 +387,14 @@ class Scripts:
             "bury",
         )
 
-    def purge(self, k: QueueKeys, limit: int, expired: bool = False) -> int:
+    def purge(
+        self, k: QueueKeys, limit: int, expired: bool = False, counters: Sequence[str] = ()
+    ) -> int:
         """Delete up to ``limit`` pending and delayed jobs; return how many went.
 
-        With ``expired``, only when the x-expires queue is unused: -1 while in use.
+        With ``expired``, only when the x-expires queue is unused: -1 while in
+        use; and once the queue holds no job at all, its other keys (the
+        ``counters`` named among them) are deleted as well.
         """
         return int(
             self._run(
@@ -407,7 +411,7 @@ class Scripts:
                     k.delayed,
                     k.etas,
                 ],
-                [limit, 1 if expired else 0],
+                [limit, 1 if expired else 0, *(counters if expired else ())],
             )
         )
 

@@ -326,14 +326,15 @@ class JobStore:
         """Purge the pending jobs of every ``x-expires`` queue left unused past its TTL.
 
         Leased jobs finish (their acks still land); a queue with nothing left
-        leaves the registry. Returns the number of jobs purged per queue.
+        loses its remaining keys (counters included) and leaves the registry.
+        Returns the number of jobs purged per queue.
         """
         purged: dict[str, int] = {}
         for queue in sorted(_text(q) for q in self.client.smembers(self.expiring_key)):
             k = self.keys(queue)
             total = 0
             while True:
-                n = self.scripts.purge(k, limit, expired=True)
+                n = self.scripts.purge(k, limit, expired=True, counters=METRICS)
                 if n < limit:
                     break
                 total += n

@@ -21,6 +21,8 @@ local lanes, base = KEYS[6], KEYS[7]
 local id, token, unless_started = ARGV[1], ARGV[2], ARGV[3] == '1'
 
 local BAND = 1099511627776
+-- A counter ends this long after its last change (30 days): a queue gone for good leaves none.
+local COUNTER_TTL_MS = 2592000000
 
 if not redis.call('ZSCORE', active, id) then
   return 1
@@ -36,6 +38,7 @@ if row[5] then
   redis.call('ZREM', active, id)
   redis.call('DEL', job, base .. 'msg:' .. id)
   redis.call('HINCRBY', base .. 'metrics:completed', 'count', 1)
+  redis.call('PEXPIRE', base .. 'metrics:completed', COUNTER_TTL_MS)
   return 7
 end
 local n = redis.call('INCR', head)

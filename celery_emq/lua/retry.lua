@@ -19,6 +19,8 @@ if not now_ms then
 end
 
 local BAND = 1099511627776
+-- A counter ends this long after its last change (30 days): a queue gone for good leaves none.
+local COUNTER_TTL_MS = 2592000000
 
 -- The first id of the batch takes the highest head number, so the batch keeps its order.
 local top = 0
@@ -42,6 +44,7 @@ for i = 2, #ARGV do
     redis.call('HDEL', job, 'died_ms')
     redis.call('LPUSH', wake, 1)
     redis.call('HINCRBY', base .. 'metrics:retried', 'count', 1)
+    redis.call('PEXPIRE', base .. 'metrics:retried', COUNTER_TTL_MS)
     out[#out + 1] = id
   end
 end

@@ -21,7 +21,9 @@
   completed instead (outcome completed).
   Retention: a pass that examines lapsed claims (not a charge) then deletes up to `limit`
   dead jobs past the morgue's age or size bounds, oldest deaths first (outcome trimmed,
-  stalled 0): every sweep applies it, whether or not a job died since the last.
+  stalled 0): every sweep applies it, whether or not a job died since the last. Such a pass
+  also drops the ordering keys (wake, head, seq, cursor) of a queue with nothing pending.
+  Counters end COUNTER_TTL_MS after their last change (every script that counts renews it).
   Outage rule: `<base>swept` (HASH at, from, to) keeps when sweeps ran. A live worker
   renews at least every half lease, so its lease lapses only if Redis did not hear from
   it for half a lease; a pass finding that no sweep ran for over half a lease takes the
@@ -50,6 +52,8 @@ if not now_ms then
 end
 
 local BAND = 1099511627776
+-- A counter ends this long after its last change (30 days): a queue gone for good leaves none.
+local COUNTER_TTL_MS = 2592000000
 local HISTORY = 20
 local SWEPT_TTL_MS = 86400000
 
@@ -123,6 +127,7 @@ for i, id in ipairs(ids) do
       stalled = tonumber(redis.call('HGET', job, 'stalled') or '0')
       redis.call('DEL', job, base .. 'msg:' .. id)
       redis.call('HINCRBY', base .. 'metrics:completed', 'count', 1)
+      redis.call('PEXPIRE', base .. 'metrics:completed', COUNTER_TTL_MS)
       outcome = 'completed'
     elseif not charge and row[9] ~= row[8] then
       -- Never started under this claim: not the job's fault, so not a stall.
@@ -149,6 +154,7 @@ for i, id in ipairs(ids) do
         table.remove(history, 1)
       end
       redis.call('HINCRBY', base .. 'metrics:stalled', 'count', 1)
+      redis.call('PEXPIRE', base .. 'metrics:stalled', COUNTER_TTL_MS)
       redis.call('HINCRBY', base .. 'metrics:stalled', 'reason:' .. reason, 1)
       if budget >= 0 and stalled > budget then
         redis.call('HSET', job, 'state', 'dead', 'owner', '', 'last_error', 'stalled',
@@ -156,6 +162,7 @@ for i, id in ipairs(ids) do
           'error', reason .. ': stalled ' .. stalled .. ' times, max_stalled=' .. budget)
         redis.call('ZADD', dead, now_ms, id)
         redis.call('HINCRBY', base .. 'metrics:failed', 'count', 1)
+        redis.call('PEXPIRE', base .. 'metrics:failed', COUNTER_TTL_MS)
         redis.call('HINCRBY', base .. 'metrics:failed', 'reason:' .. reason, 1)
         outcome = 'dead'
       else
@@ -167,6 +174,7 @@ for i, id in ipairs(ids) do
           'history', cjson.encode(history))
         redis.call('LPUSH', wake, 1)
         redis.call('HINCRBY', base .. 'metrics:recovered', 'count', 1)
+        redis.call('PEXPIRE', base .. 'metrics:recovered', COUNTER_TTL_MS)
         redis.call('HINCRBY', base .. 'metrics:recovered', 'reason:' .. reason, 1)
         outcome = 'recovered'
       end
@@ -205,6 +213,10 @@ if not charge then
     out[#out + 1] = 'trimmed'
     out[#out + 1] = 0
     out[#out + 1] = false
+  end
+  -- Nothing waits: the ordering keys go, as a claim that drains the queue drops them.
+  if redis.call('ZCARD', pending) == 0 and redis.call('EXISTS', lanes) == 0 then
+    redis.call('DEL', wake, head, base .. 'seq', base .. 'cursor')
   end
 end
 return out

@@ -73,7 +73,7 @@ CALLS: dict[str, tuple[Call, int]] = {
     "release": (lambda s, k: s.release(k, "id", 1), 0),
     "extend": (lambda s, k: s.extend(k, 1000, 1, PAIRS), 4),
     "bury": (lambda s, k: s.bury(k, "id", 1, "r", "e", 1), 0),
-    "purge": (lambda s, k: s.purge(k, 10), 0),
+    "purge": (lambda s, k: s.purge(k, 10, True, ["completed", "failed"]), 2),
     "reap": (lambda s, k: s.reap(k, 1, 10), 0),
     "sweep": (lambda s, k: s.sweep(k, 1, 10, 1, "worker_lost", 5000, PAIRS), 4),
     "trim": (lambda s, k: s.trim(k, 1, 1000, 10, 10), 0),
