@@ -156,6 +156,10 @@ class QueueKeys:
         return self.base + "expires"
 
     @property
+    def bindings(self) -> str:
+        return self.base + "bindings"
+
+    @property
     def delayed(self) -> str:
         return self.base + "delayed"
 

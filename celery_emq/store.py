@@ -8,6 +8,7 @@ the time instead, which is how tests move it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -318,6 +319,22 @@ class JobStore:
             pipe.sadd(self.expiring_key, queue)
             pipe.execute()
 
+    def note_binding(self, queue: str, table: str, member: str) -> None:
+        """Record that ``member`` of the binding table ``table`` binds an ``x-expires`` queue.
+
+        The expiry pass removes it from the table once the queue is gone (a
+        table that nothing else prunes: kombu's on a Redis Cluster).
+        """
+        self.client.sadd(self.keys(queue).bindings, json.dumps([table, member]))
+
+    def _unbind(self, queue: str) -> None:
+        """Remove a gone queue's recorded bindings from their tables."""
+        k = self.keys(queue)
+        for raw in self.client.smembers(k.bindings):
+            table, member = json.loads(raw)
+            self.client.srem(table, member)
+        self.client.delete(k.bindings)
+
     def note_expiring(self, queue: str) -> None:
         """Record an ``x-expires`` queue in the registry the expiry pass reads."""
         self.client.sadd(self.expiring_key, queue)
@@ -348,6 +365,8 @@ class JobStore:
                 # A publish may have used the queue since: keep it registered then.
                 if self.client.exists(k.expires):
                     self.client.sadd(self.expiring_key, queue)
+                else:
+                    self._unbind(queue)
         return purged
 
     @property
