@@ -26,9 +26,9 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import add_redis_options  # noqa: E402
-from celery_emq.metrics import EmqCollector  # noqa: E402
-from celery_emq.store import JobStore  # noqa: E402
+from bench._common import add_redis_options
+from celery_emq.metrics import EmqCollector
+from celery_emq.store import JobStore
 
 _sent = 0
 
@@ -48,7 +48,9 @@ def fill(store: JobStore, queues: list[str], pending: int, active: int) -> None:
         with store.client.pipeline(transaction=False) as pipe:
             for i in range(pending + active):
                 group = ("", "", "", "a", "b")[i % 5] if i >= active else ""
-                store.scripts.enqueue(k, f"j{i}", b"{}", (0, 4, 9)[i % 3], None, group=group, client=pipe)
+                store.scripts.enqueue(
+                    k, f"j{i}", b"{}", (0, 4, 9)[i % 3], None, group=group, client=pipe
+                )
             pipe.execute()
         # The first jobs claimed are the default lane's: claim them in batches.
         claimed = 0

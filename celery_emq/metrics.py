@@ -1,9 +1,9 @@
 """Prometheus metrics: queue depths, ages and counters, read from the job store on each scrape.
 
 :class:`EmqCollector` is a ``prometheus_client`` collector: each scrape reads
-every registered queue in two round trips however many queues (a few script
-calls and counter reads per queue, one more round trip only for a queue past a
-page of 1,000 fair lanes or 5,000 active jobs) and yields
+every registered queue in three round trips however many queues (the registry;
+two script calls per queue; the counters; one more only for a queue past a page
+of 1,000 fair lanes or 5,000 active jobs) and yields
 
 ==========================================  =======  ===========================
 metric                                      type     labels
@@ -23,8 +23,9 @@ metric                                      type     labels
 ``emq_up``                                  gauge    (1: the scrape read the broker)
 ==========================================  =======  ===========================
 
-Flower's own ``/metrics`` shows them once celery_emq registers with Flower
-(:mod:`celery_emq.flower`); ``celery -A app emq exporter --port N`` serves them
+Flower serves them at ``/emq/metrics`` once celery_emq registers with Flower
+(and on its own ``/metrics`` when Flower has no authentication; see
+:mod:`celery_emq.flower`); ``celery -A app emq exporter --port N`` serves them
 without Flower. Needs the ``prometheus_client`` package (the ``metrics``
 extra); nothing else in celery_emq imports this module.
 """

@@ -24,7 +24,7 @@ def test_every_counter_ends_30_days_after_its_last_change(
     k = store.keys("q")
     for i in ("a", "b", "c", "d"):
         store.enqueue("q", i, b"{}", now_ms=1)
-    a, b, c = store.claim("q", "w", count=3, now_ms=2)
+    a, b, _ = store.claim("q", "w", count=3, now_ms=2)
     store.ack("q", "a", a.deliveries)
     store.start("q", "b", b.deliveries)
     store.sweep("q", max_stalled=0, now_ms=2 + store.lease_ms + 1)  # b dies, c is requeued
@@ -42,7 +42,7 @@ def test_a_sweep_drops_the_ordering_keys_of_a_queue_with_nothing_pending(
     k = store.keys("q")
     store.enqueue("q", "a", b"{}", now_ms=1)
     store.enqueue("q", "b", b"{}", now_ms=1)
-    [a, b] = store.claim("q", "w", count=2, now_ms=2)
+    [_, b] = store.claim("q", "w", count=2, now_ms=2)
     store.release("q", "b", b.deliveries)  # head
     # b leaves pending by an ack (its task completed after all), not a claim: head stays.
     store.ack("q", "b", b.deliveries)
@@ -62,7 +62,7 @@ def test_a_gone_task_queue_leaves_the_registry_once_its_counters_end(
     for q in ("gone", "dead-kept"):
         store.register(q)
         store.enqueue(q, "j", b"{}")
-        [job] = store.claim(q, "w")
+        assert len(store.claim(q, "w")) == 1
     store.ack("gone", "j", 1)
     store.bury("dead-kept", "j", 1, "rejected", "no")
     sweeper.run()
