@@ -51,7 +51,6 @@ SCRIPT_NAMES: tuple[str, ...] = (
     "purge",
     "reap",
     "sweep",
-    "trim",
     "retry",
     "purge_dead",
     "give_back",
@@ -464,14 +463,6 @@ class Scripts:
             [_time_arg(now_ms), limit],
         )
         return [_text(x) for x in reply]
-
-    def trim(
-        self, k: QueueKeys, now_ms: int | None, max_age_ms: int, max_size: int, limit: int
-    ) -> int:
-        """Delete dead jobs past the morgue's retention; return how many."""
-        return int(
-            self._run("trim", [k.dead, k.base], [_time_arg(now_ms), max_age_ms, max_size, limit])
-        )
 
     def retry(self, k: QueueKeys, now_ms: int | None, job_ids: Sequence[str]) -> list[str]:
         """Move dead jobs back to the front of their queue or lane; return those moved."""

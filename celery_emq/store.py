@@ -260,22 +260,6 @@ class JobStore:
         """Return up to ``limit`` lapsed jobs to the front of their queue, uncounted."""
         return self.scripts.reap(self.keys(queue), now_ms, limit)
 
-    def trim(
-        self,
-        queue: str,
-        max_age_ms: int,
-        max_size: int,
-        limit: int = 1000,
-        now_ms: int | None = None,
-    ) -> int:
-        """Apply the morgue's retention (0 disables a bound); return how many went."""
-        total = 0
-        while True:
-            n = self.scripts.trim(self.keys(queue), now_ms, max_age_ms, max_size, limit)
-            total += n
-            if n < limit:
-                return total
-
     def retry(self, queue: str, job_ids: Sequence[str], now_ms: int | None = None) -> list[str]:
         """Bring dead jobs back to the front of their queue or lane, stall count reset."""
         return self.scripts.retry(self.keys(queue), now_ms, job_ids)

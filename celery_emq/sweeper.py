@@ -142,16 +142,15 @@ class Sweeper:
         if swept is not None:
             report = SweepReport(queue)
             self._after(queue, [swept], report, reason)
-            if report.dead:
-                self.trim(queue)
         return swept
 
     def bury(self, queue: str, job_id: str, token: int, reason: str, error: str) -> bool:
         """Dead-letter one job that cannot or will not run; return whether it moved.
 
         Fenced by the claim's ``token``: a newer claim of the job is left alone.
-        Sends ``job_dead_lettered`` with the reason and applies the morgue's
-        retention. (Celery itself records the task's failure in these cases.)
+        Sends ``job_dead_lettered`` with the reason (the next sweep applies the
+        morgue's retention). (Celery itself records the task's failure in these
+        cases.)
         """
         outcome = self.store.bury(queue, job_id, token, reason, error)
         if outcome is not Outcome.OK:
@@ -176,17 +175,7 @@ class Sweeper:
             "celery_emq: job %s dead-lettered from %s: %s %s", job_id, queue, reason, error
         )
         _send(job_dead_lettered, info)
-        self.trim(queue)
         return True
-
-    def trim(self, queue: str, now_ms: int | None = None) -> int:
-        """Apply the morgue's retention to ``queue``."""
-        return self.store.trim(
-            queue,
-            self.options.dead_max_age_s * 1000,
-            self.options.dead_max_size,
-            now_ms=now_ms,
-        )
 
     @cached_property
     def accept(self) -> frozenset[str]:

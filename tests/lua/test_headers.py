@@ -58,7 +58,7 @@ class Recorder:
 def reply(source: str) -> Any:
     """An empty answer of the script whose source is given, in the shape its wrapper reads."""
     first = source.split("\n", 1)[0]
-    return 0 if "trim" in first else [None, None] if "oldest" in first else []
+    return [None, None] if "oldest" in first else []
 
 
 Call = Callable[[Scripts, QueueKeys], Any]
@@ -76,7 +76,6 @@ CALLS: dict[str, tuple[Call, int]] = {
     "purge": (lambda s, k: s.purge(k, 10, True, ["completed", "failed"]), 2),
     "reap": (lambda s, k: s.reap(k, 1, 10), 0),
     "sweep": (lambda s, k: s.sweep(k, 1, 10, 1, "worker_lost", 5000, PAIRS), 4),
-    "trim": (lambda s, k: s.trim(k, 1, 1000, 10, 10), 0),
     "retry": (lambda s, k: s.retry(k, 1, ["a", "b"]), 2),
     "purge_dead": (lambda s, k: s.purge_dead(k, ["a", "b"]), 2),
     "give_back": (lambda s, k: s.give_back(k), 0),
@@ -93,7 +92,6 @@ SERVER_TIME: dict[str, Call] = {
     "bury": lambda s, k: s.bury(k, "id", 1, "r", "e", None),
     "reap": lambda s, k: s.reap(k, None, 10),
     "sweep": lambda s, k: s.sweep(k, None, 10, 1, "lease_expired", 5000),
-    "trim": lambda s, k: s.trim(k, None, 1000, 10, 10),
     "retry": lambda s, k: s.retry(k, None, ["a"]),
     "promote": lambda s, k: s.promote(k, None, 10),
 }
