@@ -19,6 +19,7 @@ from .errors import (
     ReplicasUnconfirmedError,
     ScriptContractError,
     StalledJobError,
+    UnknownJobError,
 )
 from .morgue import DeadJob, Morgue
 from .options import EmqOptions
@@ -34,6 +35,7 @@ __all__ = [
     "ReplicasUnconfirmedError",
     "ScriptContractError",
     "StalledJobError",
+    "UnknownJobError",
     "schedule_sweep",
 ]
 

@@ -219,7 +219,7 @@ def attach(flower_app: Any) -> None:
         if getattr(flower_app, "emq_store", None) is not None:
             return
         from .metrics import AppStore
-        from .morgue_page import handlers
+        from .morgue_page import FlowerTemplates, handlers, loader_options
 
         flower_app.emq_store = AppStore(flower_app.capp)
         prefix = "/" + (getattr(flower_app.options, "url_prefix", "") or "").strip("/")
@@ -243,6 +243,12 @@ def attach(flower_app: Any) -> None:
         routes = [(prefix.rstrip("/") + path, handler) for path, handler in pages]
         # Rules added now are matched before Flower's own (and its catch-all 404).
         flower_app.add_handlers(r".*", routes)
+        settings = flower_app.settings
+        if settings.get("template_path") and "template_loader" not in settings:
+            # Flower's menu gets a link to the page.
+            settings["template_loader"] = FlowerTemplates(
+                settings["template_path"], prefix.rstrip("/") + "/emq", **loader_options(settings)
+            )
 
 
 def _authenticates(flower_app: Any) -> bool:
