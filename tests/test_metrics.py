@@ -225,3 +225,25 @@ def test_the_oldest_lease_is_found_however_many_claims_are_held(store: JobStore)
     assert len(store.claim(q, "w2", count=1200, now_ms=NOW - 5000)) == 1200
     got = scrape(EmqCollector(store, [q], now_ms=NOW))
     assert got[("emq_oldest_lease_age_seconds", (("queue", q),))] == 70.0
+
+
+def test_ages_read_past_the_first_page_of_lanes_and_claims(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from celery_emq import store as store_module
+
+    monkeypatch.setattr(store_module, "OLDEST_LANE_PAGE", 2)
+    monkeypatch.setattr(store_module, "ACTIVE_PAGE", 3)
+    q = "q"
+    for i in range(10):
+        store.enqueue(q, f"a{i}", "{}", now_ms=1)
+    for i, claimed_ms in enumerate([NOW - 1000] * 9 + [NOW - 33_000]):
+        assert len(store.claim(q, "w", now_ms=claimed_ms)) == 1
+        # Renewed so that the earliest claim sorts last of the active set.
+        store.extend(q, [(f"a{i}", 1)], now_ms=NOW + i * 1000)
+    for i in range(7):
+        # The oldest pending job waits in the last lane, by name.
+        store.enqueue(q, f"g{i}", "{}", group=f"lane{i}", now_ms=NOW - (44_000 if i == 6 else 1000))
+    got = scrape(EmqCollector(store, [q], now_ms=NOW))
+    assert got[("emq_oldest_pending_age_seconds", (("queue", q),))] == 44.0
+    assert got[("emq_oldest_lease_age_seconds", (("queue", q),))] == 33.0
