@@ -190,7 +190,11 @@ for i, id in ipairs(ids) do
   end
 end
 
-if not charge then
+local in_morgue = 0
+if not charge and (dead_max_age_ms > 0 or dead_max_size > 0) then
+  in_morgue = redis.call('ZCARD', dead)
+end
+if in_morgue > 0 then
   -- Morgue retention, by age then by size, at most `limit` deletions per call.
   local doomed = {}
   if dead_max_age_ms > 0 then
@@ -198,7 +202,7 @@ if not charge then
       'LIMIT', 0, limit)
   end
   if dead_max_size > 0 and #doomed < limit then
-    local excess = redis.call('ZCARD', dead) - #doomed - dead_max_size
+    local excess = in_morgue - #doomed - dead_max_size
     if excess > 0 then
       local more = redis.call('ZRANGE', dead, #doomed, #doomed + math.min(excess, limit - #doomed) - 1)
       for _, id in ipairs(more) do
@@ -214,9 +218,11 @@ if not charge then
     out[#out + 1] = 0
     out[#out + 1] = false
   end
-  -- Nothing waits: the ordering keys go, as a claim that drains the queue drops them.
-  if redis.call('ZCARD', pending) == 0 and redis.call('EXISTS', lanes) == 0 then
-    redis.call('DEL', wake, head, base .. 'seq', base .. 'cursor')
-  end
+end
+-- Nothing waits: the ordering keys go, as a claim that drains the queue drops them.
+local seq, cursor = base .. 'seq', base .. 'cursor'
+if not charge and redis.call('EXISTS', wake, head, seq, cursor) > 0
+    and redis.call('ZCARD', pending) == 0 and redis.call('EXISTS', lanes) == 0 then
+  redis.call('DEL', wake, head, seq, cursor)
 end
 return out
