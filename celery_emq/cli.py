@@ -553,9 +553,14 @@ def migrate(
 @click.option("--addr", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.pass_context
 def exporter(ctx: click.Context, port: int, addr: str) -> None:
-    """Serve the Prometheus metrics at http://ADDR:PORT/metrics until SIGINT or SIGTERM."""
+    """Serve the Prometheus metrics at http://ADDR:PORT/metrics until SIGINT or SIGTERM.
+
+    Each request has a thread of its own: a client that holds a connection
+    without sending a request delays no other scrape.
+    """
     try:
         from prometheus_client import CollectorRegistry, make_wsgi_app
+        from prometheus_client.exposition import ThreadingWSGIServer
     except ImportError:
         raise click.ClickException(
             "the exporter needs prometheus_client: pip install 'celery-emq[metrics]'"
@@ -572,7 +577,13 @@ def exporter(ctx: click.Context, port: int, addr: str) -> None:
     source = AppStore(ctx.obj.app)
     registry = CollectorRegistry()
     registry.register(EmqCollector(source))
-    server = make_server(addr, port, make_wsgi_app(registry), handler_class=QuietHandler)
+    server = make_server(
+        addr,
+        port,
+        make_wsgi_app(registry),
+        server_class=ThreadingWSGIServer,
+        handler_class=QuietHandler,
+    )
 
     def stop(signum: int, _frame: Any) -> None:
         raise SystemExit(0)

@@ -288,6 +288,10 @@ class ClusterChannel(Channel):
             self._fanout_queues[queue] = (exchange, routing_key.replace("#", "*"))
         member = self.sep.join([routing_key or "", pattern or "", queue or ""])
         self.store.client.sadd(self._binding_key(exchange), member)
+        if queue in self._queue_ttl:
+            # Nothing deletes a reply queue's binding when its consumer vanishes:
+            # the expiry pass removes it once the queue is gone.
+            self.store.note_binding(queue, self._binding_key(exchange), member)
 
     def get_table(self, exchange: str) -> list[tuple[str, ...]]:
         values = self.store.client.smembers(self._binding_key(exchange))

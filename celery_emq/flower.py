@@ -7,9 +7,12 @@ and ``messages_dead`` (API only) what is in the morgue.
 
 It also attaches to each Flower application (:class:`flower.app.Flower`, built
 before or after :func:`register` runs): the morgue page at ``/emq``
-(:mod:`celery_emq.morgue_page`), and the Prometheus collector
-(:mod:`celery_emq.metrics`) in ``prometheus_client``'s default registry, which
-Flower's own ``/metrics`` serves. Both read the store of the Flower's Celery app.
+(:mod:`celery_emq.morgue_page`) and the Prometheus series
+(:mod:`celery_emq.metrics`) at ``/emq/metrics``, both behind Flower's
+authentication. A Flower without authentication also serves the series on its
+own ``/metrics`` (the collector joins ``prometheus_client``'s default registry);
+one with authentication keeps its ``/metrics`` to Flower's own series, which it
+serves to anyone. Both read the store of the Flower's Celery app.
 
 ``import celery_emq`` calls :func:`register` when Flower is already loaded, and
 the first emq:// connection in the process calls it otherwise, which covers
@@ -210,7 +213,7 @@ def _hook_flower_app() -> None:
 
 
 def attach(flower_app: Any) -> None:
-    """Add the morgue page and the metrics collector to one Flower application."""
+    """Add the morgue page and the metrics to one Flower application."""
     global _collector
     with _lock:
         if getattr(flower_app, "emq_store", None) is not None:
@@ -220,7 +223,24 @@ def attach(flower_app: Any) -> None:
 
         flower_app.emq_store = AppStore(flower_app.capp)
         prefix = "/" + (getattr(flower_app.options, "url_prefix", "") or "").strip("/")
-        routes = [(prefix.rstrip("/") + path, handler) for path, handler in handlers()]
+        pages = handlers()
+        try:
+            from prometheus_client import REGISTRY, CollectorRegistry
+
+            from .metrics import EmqCollector
+            from .metrics_page import MetricsPage
+        except ImportError:  # pragma: no cover - Flower itself depends on prometheus_client
+            logger.warning("prometheus_client is missing: no emq metrics in Flower")
+        else:
+            flower_app.emq_metrics = CollectorRegistry()
+            flower_app.emq_metrics.register(EmqCollector(flower_app.emq_store))
+            pages.append((r"/emq/metrics", MetricsPage))
+            # Flower serves /metrics to anyone: the series join it only when
+            # Flower lets anyone in anyway.
+            if _collector is None and not _authenticates(flower_app):
+                _collector = EmqCollector(flower_app.emq_store)
+                REGISTRY.register(_collector)
+        routes = [(prefix.rstrip("/") + path, handler) for path, handler in pages]
         # Rules added now are matched before Flower's own (and its catch-all 404).
         flower_app.add_handlers(r".*", routes)
         settings = flower_app.settings
@@ -229,16 +249,12 @@ def attach(flower_app: Any) -> None:
             settings["template_loader"] = FlowerTemplates(
                 settings["template_path"], prefix.rstrip("/") + "/emq", **loader_options(settings)
             )
-        if _collector is None:
-            try:
-                from prometheus_client import REGISTRY
 
-                from .metrics import EmqCollector
-            except ImportError:  # pragma: no cover - Flower itself depends on prometheus_client
-                logger.warning("prometheus_client is missing: no emq metrics in Flower")
-                return
-            _collector = EmqCollector(flower_app.emq_store)
-            REGISTRY.register(_collector)
+
+def _authenticates(flower_app: Any) -> bool:
+    """Whether Flower asks who is there (``--basic-auth`` or ``--auth``)."""
+    options = flower_app.options
+    return bool(getattr(options, "basic_auth", None) or getattr(options, "auth", None))
 
 
 def _sentinel_client(broker: Any, broker_url: str, kwargs: dict[str, Any]) -> tuple[Any, Any]:

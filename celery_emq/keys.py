@@ -1,51 +1,74 @@
 """The one place key names are built.
 
 Key schema (every key of a queue shares the hash tag ``{q}``, so each script
-touches a single cluster slot):
+touches a single cluster slot). Every key has an end: it goes with its job,
+with the queue's last job, or it expires (the last column).
 
-==============================  ======  ==============================================
-key                             type    content
-==============================  ======  ==============================================
-``<p>:{q}:pending``             ZSET    job ids ready to claim; score = priority band
-                                        + sequence (lower first, FIFO within a band,
-                                        recovered jobs ahead of the band)
-``<p>:{q}:active``              ZSET    claimed job ids; score = lease deadline (ms)
-``<p>:{q}:dead``                ZSET    the morgue; score = time of death (ms)
-``<p>:{q}:job:<id>``            HASH    the job's row: small fields only, so Redis
-                                        keeps it a compact listpack (see
+==============================  ======  ================================  ==========================
+key                             type    content                           ends
+==============================  ======  ================================  ==========================
+``<p>:{q}:pending``             ZSET    job ids ready to claim; score =   with its last job
+                                        priority band + sequence (lower
+                                        first, FIFO within a band,
+                                        recovered jobs ahead of it)
+``<p>:{q}:active``              ZSET    claimed job ids; score = lease    with its last job
+                                        deadline (ms)
+``<p>:{q}:dead``                ZSET    the morgue; score = time of       with its last job;
+                                        death (ms)                        retention on every sweep
+``<p>:{q}:job:<id>``            HASH    the job's row: small fields       with the job
+                                        only, so Redis keeps it a
+                                        compact listpack (see
                                         :data:`JOB_FIELDS`)
-``<p>:{q}:msg:<id>``            STRING  the job's message, as stored by
+``<p>:{q}:msg:<id>``            STRING  the job's message, as stored by   with the job
                                         :mod:`celery_emq.codec`
-``<p>:{q}:delayed``             ZSET    jobs whose ETA is still ahead; score = ETA
-                                        (ms); promoted to pending once due
-``<p>:{q}:etas``                HASH    Celery task id -> job id of delayed jobs
-                                        (a revoke promotes the job at once)
-``<p>:{q}:wake``                LIST    one marker per job made claimable; consumers
-                                        block on it with BRPOP, then claim
-``<p>:{q}:seq``                 STRING  tail sequence (INCR) for FIFO order
-``<p>:{q}:head``                STRING  head sequence (INCR) for front-of-queue inserts
-``<p>:{q}:g:<group>:pending``   ZSET    a fair lane: pending jobs of one group
-``<p>:{q}:lanes``               ZSET    groups that have a lane (score 0, by name)
-``<p>:{q}:cursor``              STRING  the lane a claim served last (rotation)
-``<p>:{q}:expires``             STRING  present while an ``x-expires`` queue is in
-                                        use (PX = its TTL, renewed by publish,
-                                        claim and declare); once gone, the sweep
-                                        purges the queue's pending jobs
-``<p>:{q}:swept``               HASH    when sweeps ran (``at``) and the last outage
-                                        seen (``from``, ``to``); PX 1 day
-``<p>:{q}:metrics:<name>``      HASH    counters (field ``count``): ``completed``,
-                                        ``recovered``, ``stalled``, ``failed``,
-                                        ``retried``; ``recovered``, ``stalled``
-                                        and ``failed`` also count by reason
-                                        (field ``reason:<reason>``)
-``<p>:{q}:migrated``            ZSET    source delivery tags ``emq migrate`` moved into
-                                        the queue; score = when (ms); PX 7 days
-``<p>:queues``                  SET     registry of task queues: queues that hold
-                                        leased work (no hash tag: read by the
-                                        sweep and the CLI, never by a script)
-``<p>:expiring``                SET     registry of ``x-expires`` queues, for the
-                                        sweep's expiry pass (no hash tag)
-==============================  ======  ==============================================
+``<p>:{q}:delayed``             ZSET    jobs whose ETA is still ahead;    with its last job
+                                        score = ETA (ms); promoted to
+                                        pending once due
+``<p>:{q}:etas``                HASH    Celery task id -> job id of       with its last delayed job
+                                        delayed jobs (a revoke promotes
+                                        the job at once)
+``<p>:{q}:wake``                LIST    one marker per job made           deleted when nothing is
+                                        claimable; consumers block on it  pending (claim, sweep)
+                                        with BRPOP, then claim
+``<p>:{q}:seq``                 STRING  tail sequence (INCR) for FIFO     deleted when nothing is
+                                        order                             pending (claim, sweep)
+``<p>:{q}:head``                STRING  head sequence (INCR) for          deleted when nothing is
+                                        front-of-queue inserts            pending (claim, sweep)
+``<p>:{q}:g:<group>:pending``   ZSET    a fair lane: pending jobs of one  with its last job
+                                        group
+``<p>:{q}:lanes``               ZSET    groups that have a lane (score    with the last lane
+                                        0, by name)
+``<p>:{q}:cursor``              STRING  the lane a claim served last      deleted when nothing is
+                                        (rotation)                        pending (claim, sweep)
+``<p>:{q}:expires``             STRING  present while an ``x-expires``    PX its TTL
+                                        queue is in use (renewed by
+                                        publish, claim and declare);
+                                        once gone, the sweep purges the
+                                        queue's pending jobs
+``<p>:{q}:swept``               HASH    when sweeps ran (``at``) and the  PX 1 day (sweeps renew)
+                                        last outage seen (``from``,
+                                        ``to``)
+``<p>:{q}:metrics:<name>``      HASH    counters (field ``count``):       PX 30 days, renewed by a
+                                        ``completed``, ``recovered``,     count; deleted when an
+                                        ``stalled``, ``failed``,          ``x-expires`` queue
+                                        ``retried``; ``recovered``,       expires
+                                        ``stalled`` and ``failed`` also
+                                        count by reason (field
+                                        ``reason:<reason>``)
+``<p>:{q}:migrated``            ZSET    source delivery tags ``emq        PX 7 days
+                                        migrate`` moved into the queue;
+                                        score = when (ms)
+``<p>:{q}:bindings``            SET     on a Redis Cluster, the kombu     deleted when the queue
+                                        bindings (table, member) of an    expires
+                                        ``x-expires`` queue
+``<p>:queues``                  SET     registry of task queues: queues   members pruned by the
+                                        that hold leased work (no hash    sweep task once a queue
+                                        tag: read by the sweep and the    holds no job, no counter
+                                        CLI, never by a script)
+``<p>:expiring``                SET     registry of ``x-expires``         members pruned by the
+                                        queues, for the sweep's expiry    expiry pass
+                                        pass (no hash tag)
+==============================  ======  ================================  ==========================
 
 ``<p>`` is the key prefix (transport option ``key_prefix``, default ``emq``,
 itself prefixed by kombu's ``global_keyprefix`` when one is set).
@@ -156,6 +179,10 @@ class QueueKeys:
     @property
     def expires(self) -> str:
         return self.base + "expires"
+
+    @property
+    def bindings(self) -> str:
+        return self.base + "bindings"
 
     @property
     def delayed(self) -> str:

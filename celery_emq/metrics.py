@@ -1,8 +1,9 @@
 """Prometheus metrics: queue depths, ages and counters, read from the job store on each scrape.
 
 :class:`EmqCollector` is a ``prometheus_client`` collector: each scrape reads
-every registered queue in a fixed number of round trips (four, however many
-queues) and yields
+every registered queue in three round trips however many queues (the registry;
+two script calls per queue; the counters; one more only for a queue past a page
+of 1,000 fair lanes or 5,000 active jobs) and yields
 
 ==========================================  =======  ===========================
 metric                                      type     labels
@@ -25,8 +26,9 @@ metric                                      type     labels
 ``emq_up``                                  gauge    (1: the scrape read the broker)
 ==========================================  =======  ===========================
 
-Flower's own ``/metrics`` shows them once celery_emq registers with Flower
-(:mod:`celery_emq.flower`); ``celery -A app emq exporter --port N`` serves them
+Flower serves them at ``/emq/metrics`` once celery_emq registers with Flower
+(and on its own ``/metrics`` when Flower has no authentication; see
+:mod:`celery_emq.flower`); ``celery -A app emq exporter --port N`` serves them
 without Flower. Needs the ``prometheus_client`` package (the ``metrics``
 extra); nothing else in celery_emq imports this module.
 """
@@ -41,7 +43,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .status import SAMPLE, queue_statuses
+from .status import queue_statuses
 from .store import JobStore
 
 __all__ = ["AppStore", "EmqCollector"]
@@ -108,7 +110,6 @@ class EmqCollector(Collector):
     Args:
         store: the job store to read, or an :class:`AppStore` (a Celery app's).
         queues: only these queues (default: every registered queue).
-        sample: most rows read per queue for each age (see :mod:`celery_emq.status`).
         now_ms: read ages at this time instead of the Redis server's clock (tests).
     """
 
@@ -116,12 +117,10 @@ class EmqCollector(Collector):
         self,
         store: JobStore | AppStore,
         queues: Sequence[str] | None = None,
-        sample: int = SAMPLE,
         now_ms: int | None = None,
     ) -> None:
         self.source = store
         self.queues = list(queues) if queues else None
-        self.sample = sample
         self.now_ms = now_ms
 
     def describe(self) -> Iterable[Metric]:
@@ -133,7 +132,7 @@ class EmqCollector(Collector):
         try:
             store = self.source.get() if isinstance(self.source, AppStore) else self.source
             queues = self.queues or store.queues()
-            rows = queue_statuses(store, queues, self.now_ms, self.sample)
+            rows = queue_statuses(store, queues, self.now_ms)
         except Exception:
             logger.warning("emq metrics: cannot read the broker", exc_info=True)
             if isinstance(self.source, AppStore):

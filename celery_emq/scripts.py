@@ -52,12 +52,12 @@ SCRIPT_NAMES: tuple[str, ...] = (
     "purge",
     "reap",
     "sweep",
-    "trim",
     "retry",
     "purge_dead",
     "give_back",
     "promote",
     "tally",
+    "oldest",
 )
 
 #: Most claims one ``extend`` call carries (the rest go in further calls).
@@ -197,6 +197,23 @@ def read_tally(reply: Any) -> tuple[dict[str, int], list[tuple[str, int, int | N
     return counts, page
 
 
+def _oldest_call(
+    k: QueueKeys, lane_offset: int, lane_limit: int, active_offset: int, active_limit: int
+) -> tuple[list[str], list[Any]]:
+    return (
+        [k.pending, k.active, k.lanes, k.base],
+        [lane_offset, lane_limit, active_offset, active_limit],
+    )
+
+
+def read_oldest(reply: Any) -> tuple[int | None, int | None]:
+    """Read what ``oldest.lua`` answered (see :meth:`Scripts.oldest`)."""
+    if not isinstance(reply, list) or len(reply) != 2:
+        raise ScriptContractError(f"oldest.lua answered {reply!r}")
+    enqueued, claimed = reply
+    return (int(enqueued) if enqueued else None, int(claimed) if claimed else None)
+
+
 class Scripts:
     """The Lua transitions, registered on one redis-py client."""
 
@@ -271,6 +288,17 @@ class Scripts:
         """
         reply = self._run("tally", self.tally_keys(k), [offset, limit, 1 if heads else 0])
         return read_tally(reply)
+
+    def oldest(
+        self, k: QueueKeys, lane_offset: int, lane_limit: int, active_offset: int, active_limit: int
+    ) -> tuple[int | None, int | None]:
+        """Return the least ``enqueued_ms`` of a page of lanes and ``claimed_ms`` of active jobs.
+
+        The default lane is read with the first page of lanes (``lane_offset`` 0);
+        each lane is read at the head of every priority band in use.
+        """
+        keys, args = _oldest_call(k, lane_offset, lane_limit, active_offset, active_limit)
+        return read_oldest(self._run("oldest", keys, args))
 
     @staticmethod
     def tally_keys(k: QueueKeys) -> list[str]:
@@ -391,10 +419,14 @@ class Scripts:
             "bury",
         )
 
-    def purge(self, k: QueueKeys, limit: int, expired: bool = False) -> int:
+    def purge(
+        self, k: QueueKeys, limit: int, expired: bool = False, counters: Sequence[str] = ()
+    ) -> int:
         """Delete up to ``limit`` pending and delayed jobs; return how many went.
 
-        With ``expired``, only when the x-expires queue is unused: -1 while in use.
+        With ``expired``, only when the x-expires queue is unused: -1 while in
+        use; and once the queue holds no job at all, its other keys (the
+        ``counters`` named among them) are deleted as well.
         """
         return int(
             self._run(
@@ -411,7 +443,7 @@ class Scripts:
                     k.delayed,
                     k.etas,
                 ],
-                [limit, 1 if expired else 0],
+                [limit, 1 if expired else 0, *(counters if expired else ())],
             )
         )
 
@@ -425,6 +457,8 @@ class Scripts:
         lease_ms: int,
         claims: Sequence[tuple[str, str]] = (),
         max_lapsed: int | None = None,
+        dead_max_age_ms: int = 0,
+        dead_max_size: int = 0,
     ) -> list[Swept]:
         """Count a stall on lapsed (or the named) claims; recover or dead-letter each.
 
@@ -432,6 +466,9 @@ class Scripts:
         lapsed in an outage (no sweep for over half ``lease_ms``) is granted
         one more lease, once. Past ``max_lapsed`` lapses before a start
         (``None``: no bound), a job is dead-lettered as ``never_started``.
+        A pass over lapsed claims (no ``claims``) then applies the morgue's
+        retention (0 disables a bound): each dead job it deletes is reported
+        with the outcome ``trimmed``.
         """
         reply = self._run(
             "sweep",
@@ -443,6 +480,8 @@ class Scripts:
                 reason,
                 lease_ms,
                 -1 if max_lapsed is None else max_lapsed,
+                dead_max_age_ms,
+                dead_max_size,
                 *(x for claim in claims for x in claim),
             ],
         )
@@ -461,14 +500,6 @@ class Scripts:
             [_time_arg(now_ms), limit],
         )
         return [_text(x) for x in reply]
-
-    def trim(
-        self, k: QueueKeys, now_ms: int | None, max_age_ms: int, max_size: int, limit: int
-    ) -> int:
-        """Delete dead jobs past the morgue's retention; return how many."""
-        return int(
-            self._run("trim", [k.dead, k.base], [_time_arg(now_ms), max_age_ms, max_size, limit])
-        )
 
     def retry(
         self, k: QueueKeys, now_ms: int | None, job_ids: Sequence[str], whole: bool = False
@@ -643,6 +674,13 @@ class Batch:
             [("tally", Scripts.tally_keys(k), [offset, limit, 1 if heads else 0])],
             lambda replies: read_tally(replies[0]),
         )
+
+    def oldest(
+        self, k: QueueKeys, lane_offset: int, lane_limit: int, active_offset: int, active_limit: int
+    ) -> int:
+        """Queue :meth:`Scripts.oldest`; its result is (enqueued_ms, claimed_ms)."""
+        call = _oldest_call(k, lane_offset, lane_limit, active_offset, active_limit)
+        return self._add([("oldest", *call)], lambda replies: read_oldest(replies[0]))
 
     def execute(self, confirm: Callable[[Any], None] | None = None) -> None:
         """Send every queued call in one round trip.

@@ -11,10 +11,6 @@ from .store import METRICS, JobStore
 
 __all__ = ["queue_status", "queue_statuses"]
 
-#: Most rows read to compute each age: the longest-held leases and the jobs next
-#: in line in the default lane (each lane's next job is read by the tally).
-SAMPLE = 1000
-
 #: The counters that also count by reason (field ``reason:<reason>``).
 BY_REASON: tuple[str, ...] = ("recovered", "stalled", "failed")
 
@@ -25,28 +21,29 @@ def queue_status(store: JobStore, queue: str, now_ms: int | None = None) -> dict
 
 
 def queue_statuses(
-    store: JobStore, queues: Sequence[str], now_ms: int | None = None, sample: int = SAMPLE
+    store: JobStore, queues: Sequence[str], now_ms: int | None = None
 ) -> list[dict[str, Any]]:
-    """Return counts, lanes, ages and counters of each queue, in three round trips in all.
+    """Return counts, lanes, ages and counters of each queue, in two round trips in all.
 
     ``delayed`` counts the jobs whose ETA is still ahead: they wait in the
-    broker, not in a worker. Ages are read from at most ``sample`` rows each
-    (and the next job of every lane). ``counters`` are the queue's totals;
-    ``reasons`` splits ``recovered``, ``stalled`` and ``failed`` by reason, a
-    part counted before reasons were kept showing as ``unknown``.
+    broker, not in a worker. ``oldest_pending_age_ms`` is the age of the
+    pending job enqueued first, whatever its priority or lane;
+    ``oldest_lease_age_ms`` the time since the earliest claim still held (see
+    :meth:`JobStore.gauges`, which reads more only for a queue past a page of
+    lanes or active jobs). ``counters`` are the queue's totals; ``reasons``
+    splits ``recovered``, ``stalled`` and ``failed`` by reason, a part counted
+    before reasons were kept showing as ``unknown``.
     """
     if not queues:
         return []
     client = store.client
-    tallies = store.tallies(queues, heads=True)
+    gauges = store.gauges(queues)
     clustered = isinstance(client, RedisCluster)
     with client.pipeline(transaction=False) as pipe:
         if not clustered:
             pipe.time()
         for q in queues:
             k = store.keys(q)
-            pipe.zrange(k.active, 0, sample - 1)
-            pipe.zrange(k.pending, 0, sample - 1)
             for name in METRICS:
                 pipe.hgetall(k.metrics(name))
             pipe.hgetall(k.metrics("fenced"))
@@ -59,27 +56,12 @@ def queue_statuses(
     else:
         (secs, micros), *replies = replies
     now = int(secs) * 1000 + int(micros) // 1000 if now_ms is None else now_ms
-    per_queue = 3 + len(METRICS)
-    ids = [(replies[i * per_queue], replies[i * per_queue + 1]) for i in range(len(queues))]
-    with client.pipeline(transaction=False) as pipe:
-        for q, (active_ids, pending_ids) in zip(queues, ids, strict=True):
-            k = store.keys(q)
-            for job_id in active_ids:
-                pipe.hget(k.job(job_id.decode()), "claimed_ms")
-            for job_id in pending_ids:
-                pipe.hget(k.job(job_id.decode()), "enqueued_ms")
-        rows = pipe.execute()
+    per_queue = len(METRICS) + 1
     out = []
-    at = 0
-    for i, (q, (counts, lanes, heads)) in enumerate(zip(queues, tallies, strict=True)):
-        active_ids, pending_ids = ids[i]
-        claimed = [int(v) for v in rows[at : at + len(active_ids)] if v]
-        at += len(active_ids)
-        enqueued = [int(v) for v in rows[at : at + len(pending_ids)] if v] + heads
-        at += len(pending_ids)
+    for i, (q, (counts, lanes, enqueued, claimed)) in enumerate(zip(queues, gauges, strict=True)):
         hashes = [
             {f.decode(): int(v) for f, v in h.items()}
-            for h in replies[i * per_queue + 2 : (i + 1) * per_queue]
+            for h in replies[i * per_queue : (i + 1) * per_queue]
         ]
         fenced = hashes.pop()
         counters = {name: h.get("count", 0) for name, h in zip(METRICS, hashes, strict=True)}
@@ -100,8 +82,8 @@ def queue_statuses(
                 "delayed": counts["delayed"],
                 "dead": counts["dead"],
                 "lanes": lanes,
-                "oldest_lease_age_ms": now - min(claimed) if claimed else None,
-                "oldest_pending_age_ms": now - min(enqueued) if enqueued else None,
+                "oldest_lease_age_ms": None if claimed is None else now - claimed,
+                "oldest_pending_age_ms": None if enqueued is None else now - enqueued,
                 "counters": counters,
                 "reasons": reasons,
                 # Settles that named a claim other than the live one, by verb.

@@ -8,6 +8,7 @@ the time instead, which is how tests move it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +23,10 @@ __all__ = ["JobStore"]
 PURGE_BATCH = 1000
 #: Most lanes one ``tally`` script call reads.
 LANE_PAGE = 10_000
+#: Most fair lanes one ``oldest`` script call reads (a call per priority band in use each).
+OLDEST_LANE_PAGE = 1000
+#: Most active jobs one ``oldest`` script call reads.
+ACTIVE_PAGE = 5000
 #: Most due delayed jobs one ``promote`` script call moves.
 PROMOTE_BATCH = 1000
 #: The counters every queue keeps (``<p>:{q}:metrics:<name>``, field ``count``).
@@ -214,6 +219,8 @@ class JobStore:
         limit: int = 500,
         now_ms: int | None = None,
         max_lapsed: int | None = None,
+        dead_max_age_ms: int = 0,
+        dead_max_size: int = 0,
     ) -> list[Swept]:
         """Examine up to ``limit`` lapsed claims: count a stall on each that started.
 
@@ -223,7 +230,9 @@ class JobStore:
         such lapses are counted: past ``max_lapsed`` of them (``None``: no
         bound) it is dead-lettered as ``never_started``.
         ``max_stalled`` is the budget of jobs that carry none of their own;
-        ``None`` never dead-letters.
+        ``None`` never dead-letters. Then up to ``limit`` dead jobs past the
+        morgue's retention (``dead_max_age_ms``, ``dead_max_size``; 0 disables
+        a bound) are deleted, each reported with the outcome ``trimmed``.
         """
         return self.scripts.sweep(
             self.keys(queue),
@@ -233,6 +242,8 @@ class JobStore:
             reason,
             self.lease_ms,
             max_lapsed=max_lapsed,
+            dead_max_age_ms=dead_max_age_ms,
+            dead_max_size=dead_max_size,
         )
 
     def charge(
@@ -257,22 +268,6 @@ class JobStore:
     def reap(self, queue: str, limit: int = 500, now_ms: int | None = None) -> list[str]:
         """Return up to ``limit`` lapsed jobs to the front of their queue, uncounted."""
         return self.scripts.reap(self.keys(queue), now_ms, limit)
-
-    def trim(
-        self,
-        queue: str,
-        max_age_ms: int,
-        max_size: int,
-        limit: int = 1000,
-        now_ms: int | None = None,
-    ) -> int:
-        """Apply the morgue's retention (0 disables a bound); return how many went."""
-        total = 0
-        while True:
-            n = self.scripts.trim(self.keys(queue), now_ms, max_age_ms, max_size, limit)
-            total += n
-            if n < limit:
-                return total
 
     def retry(
         self,
@@ -327,6 +322,22 @@ class JobStore:
             pipe.sadd(self.expiring_key, queue)
             pipe.execute()
 
+    def note_binding(self, queue: str, table: str, member: str) -> None:
+        """Record that ``member`` of the binding table ``table`` binds an ``x-expires`` queue.
+
+        The expiry pass removes it from the table once the queue is gone (a
+        table that nothing else prunes: kombu's on a Redis Cluster).
+        """
+        self.client.sadd(self.keys(queue).bindings, json.dumps([table, member]))
+
+    def _unbind(self, queue: str) -> None:
+        """Remove a gone queue's recorded bindings from their tables."""
+        k = self.keys(queue)
+        for raw in self.client.smembers(k.bindings):
+            table, member = json.loads(raw)
+            self.client.srem(table, member)
+        self.client.delete(k.bindings)
+
     def note_expiring(self, queue: str) -> None:
         """Record an ``x-expires`` queue in the registry the expiry pass reads."""
         self.client.sadd(self.expiring_key, queue)
@@ -335,14 +346,15 @@ class JobStore:
         """Purge the pending jobs of every ``x-expires`` queue left unused past its TTL.
 
         Leased jobs finish (their acks still land); a queue with nothing left
-        leaves the registry. Returns the number of jobs purged per queue.
+        loses its remaining keys (counters included) and leaves the registry.
+        Returns the number of jobs purged per queue.
         """
         purged: dict[str, int] = {}
         for queue in sorted(_text(q) for q in self.client.smembers(self.expiring_key)):
             k = self.keys(queue)
             total = 0
             while True:
-                n = self.scripts.purge(k, limit, expired=True)
+                n = self.scripts.purge(k, limit, expired=True, counters=METRICS)
                 if n < limit:
                     break
                 total += n
@@ -356,6 +368,8 @@ class JobStore:
                 # A publish may have used the queue since: keep it registered then.
                 if self.client.exists(k.expires):
                     self.client.sadd(self.expiring_key, queue)
+                else:
+                    self._unbind(queue)
         return purged
 
     @property
@@ -451,6 +465,54 @@ class JobStore:
             out.append(self._lanes_read(queue, counts, page, heads))
         return out
 
+    def gauges(
+        self, queues: Sequence[str]
+    ) -> list[tuple[dict[str, int], dict[str, int], int | None, int | None]]:
+        """Return each queue's counts and lanes (as :meth:`tally`) and its two oldest times.
+
+        The times are the least ``enqueued_ms`` of its pending jobs (read at the
+        head of each priority band of each lane, see ``oldest.lua``) and the
+        least ``claimed_ms`` of its active jobs (``None`` when there are none).
+        One round trip for every queue, and one more for every queue past the
+        first :data:`OLDEST_LANE_PAGE` lanes or :data:`ACTIVE_PAGE` active jobs
+        (a script call for each further page of either).
+        """
+        if not queues:
+            return []
+        batch = self.scripts.batch()
+        handles = [
+            (
+                batch.tally(self.keys(q), 0, LANE_PAGE),
+                batch.oldest(self.keys(q), 0, OLDEST_LANE_PAGE, 0, ACTIVE_PAGE),
+            )
+            for q in queues
+        ]
+        batch.execute()
+        # The pages past the first, of every queue, in one more round trip.
+        more = self.scripts.batch()
+        rows = []
+        for queue, (tally, oldest) in zip(queues, handles, strict=True):
+            counts, page = batch.result(tally)
+            counts, lanes, _ = self._lanes_read(queue, counts, page, False)
+            pages = []
+            lanes_at, active_at = OLDEST_LANE_PAGE, ACTIVE_PAGE
+            while lanes_at < counts["lanes"] or active_at < counts["active"]:
+                lane_limit = OLDEST_LANE_PAGE if lanes_at < counts["lanes"] else 0
+                active_limit = ACTIVE_PAGE if active_at < counts["active"] else 0
+                k = self.keys(queue)
+                pages.append(more.oldest(k, lanes_at, lane_limit, active_at, active_limit))
+                lanes_at += OLDEST_LANE_PAGE
+                active_at += ACTIVE_PAGE
+            rows.append((counts, lanes, batch.result(oldest), pages))
+        more.execute()
+        out = []
+        for counts, lanes, (enqueued, claimed), pages in rows:
+            for handle in pages:
+                page_enqueued, page_claimed = more.result(handle)
+                enqueued, claimed = _least(enqueued, page_enqueued), _least(claimed, page_claimed)
+            out.append((counts, lanes, enqueued, claimed))
+        return out
+
     def _lanes_read(
         self,
         queue: str,
@@ -509,6 +571,10 @@ class JobStore:
             except ValueError:
                 job["payload"] = ""
         return job
+
+
+def _least(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else min(a, b)
 
 
 def _text(value: bytes | str) -> str:

@@ -83,7 +83,8 @@ class Sweeper:
         """Count a stall on every lapsed job of ``queue``; recover or dead-letter each.
 
         Delayed jobs that are due are promoted first (consumers also promote
-        them, at least once a second, whenever they look for work).
+        them, at least once a second, whenever they look for work). The same
+        script calls apply the morgue's retention, on every pass.
         """
         report = SweepReport(queue)
         for _ in range(MAX_CALLS_PER_PASS):
@@ -97,6 +98,8 @@ class Sweeper:
                 self.options.sweep_batch,
                 now_ms,
                 max_lapsed=self.options.max_lapsed,
+                dead_max_age_ms=self.options.dead_max_age_s * 1000,
+                dead_max_size=self.options.dead_max_size,
             )
             self._after(queue, swept, report, "lease_expired")
             if len(swept) < self.options.sweep_batch:
@@ -108,8 +111,6 @@ class Sweeper:
                 queue,
                 len(report.graced),
             )
-        if report.dead:
-            report.trimmed = self.trim(queue, now_ms)
         return report
 
     def reap(self, queue: str, now_ms: int | None = None) -> SweepReport:
@@ -153,16 +154,15 @@ class Sweeper:
         else:
             report = SweepReport(queue)
             self._after(queue, [swept], report, reason)
-            if report.dead:
-                self.trim(queue)
         return swept
 
     def bury(self, queue: str, job_id: str, token: str, reason: str, error: str) -> bool:
         """Dead-letter one job that cannot or will not run; return whether it moved.
 
         Fenced by the claim's ``token``: a newer claim of the job is left alone.
-        Sends ``job_dead_lettered`` with the reason and applies the morgue's
-        retention. (Celery itself records the task's failure in these cases.)
+        Sends ``job_dead_lettered`` with the reason (the next sweep applies the
+        morgue's retention). (Celery itself records the task's failure in these
+        cases.)
         """
         outcome = self.store.bury(queue, job_id, token, reason, error)
         if outcome is not Outcome.OK:
@@ -187,17 +187,7 @@ class Sweeper:
             "celery_emq: job %s dead-lettered from %s: %s %s", job_id, queue, reason, error
         )
         _send(job_dead_lettered, info)
-        self.trim(queue)
         return True
-
-    def trim(self, queue: str, now_ms: int | None = None) -> int:
-        """Apply the morgue's retention to ``queue``."""
-        return self.store.trim(
-            queue,
-            self.options.dead_max_age_s * 1000,
-            self.options.dead_max_size,
-            now_ms=now_ms,
-        )
 
     @cached_property
     def accept(self) -> frozenset[str]:
@@ -210,6 +200,9 @@ class Sweeper:
 
     def _after(self, queue: str, swept: list[Swept], report: SweepReport, reason: str) -> None:
         for job in swept:
+            if job.outcome == "trimmed":
+                report.trimmed += 1
+                continue
             if job.outcome == "requeued":
                 report.requeued.append(job.id)
                 continue

@@ -181,3 +181,76 @@ def test_a_broker_that_cannot_be_read_says_emq_up_0(client: redis.Redis, prefix:
     )
     got = scrape(EmqCollector(JobStore(dead, prefix + "emq", 5000)))
     assert got == {("emq_up", ()): 0}
+
+
+def test_a_low_priority_job_behind_fresh_high_priority_ones_shows_its_age(
+    store: JobStore,
+) -> None:
+    """The oldest pending job is found whatever its priority band or lane."""
+    q = "q"
+    store.enqueue(q, "starving", "{}", priority=9, now_ms=NOW - 23_000)
+    store.enqueue(q, "lane-old", "{}", priority=5, group="g", now_ms=NOW - 25_000)
+    k = store.keys(q)
+    # 1,200 fresher high-priority jobs ahead of each, in the default lane and the lane.
+    with store.client.pipeline() as pipe:
+        for i in range(2400):
+            lane = "g" if i % 2 else ""
+            store.scripts.enqueue(k, f"h{i}", b"{}", 0, NOW - 2000 + i, group=lane, client=pipe)
+        pipe.execute()
+    got = scrape(EmqCollector(store, [q], now_ms=NOW))
+    assert got[("emq_oldest_pending_age_seconds", (("queue", q),))] == 25.0
+    # The lane's job leaves: the default lane's starving job is the oldest.
+    store.client.zrem(k.lane("g"), "lane-old")
+    got = scrape(EmqCollector(store, [q], now_ms=NOW))
+    assert got[("emq_oldest_pending_age_seconds", (("queue", q),))] == 23.0
+
+
+def test_a_recovered_job_ahead_of_its_band_counts_its_age(store: JobStore) -> None:
+    q = "q"
+    store.enqueue(q, "old", "{}", priority=3, now_ms=NOW - 90_000)
+    [job] = store.claim(q, "w1", now_ms=NOW - 80_000)
+    store.start(q, job.id, job.token)
+    store.enqueue(q, "fresh", "{}", priority=3, now_ms=NOW - 1000)
+    [swept] = store.sweep(q, max_stalled=5, now_ms=NOW - 80_000 + store.lease_ms + 1)
+    assert swept.outcome == "recovered"
+    got = scrape(EmqCollector(store, [q], now_ms=NOW))
+    assert got[("emq_oldest_pending_age_seconds", (("queue", q),))] == 90.0
+
+
+def test_the_oldest_lease_is_found_however_many_claims_are_held(store: JobStore) -> None:
+    """Renewals reorder the active set: the earliest claim need not lead it."""
+    q = "q"
+    store.enqueue(q, "first", "{}", now_ms=1)
+    [first] = store.claim(q, "w1", now_ms=NOW - 70_000)
+    # Renewed far ahead: it sorts last of the active set.
+    assert store.extend(q, [(first.id, first.token)], now_ms=NOW + 10**9) == []
+    k = store.keys(q)
+    with store.client.pipeline() as pipe:
+        for i in range(1200):
+            store.scripts.enqueue(k, f"j{i}", b"{}", 0, 1, client=pipe)
+        pipe.execute()
+    assert len(store.claim(q, "w2", count=1200, now_ms=NOW - 5000)) == 1200
+    got = scrape(EmqCollector(store, [q], now_ms=NOW))
+    assert got[("emq_oldest_lease_age_seconds", (("queue", q),))] == 70.0
+
+
+def test_ages_read_past_the_first_page_of_lanes_and_claims(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from celery_emq import store as store_module
+
+    monkeypatch.setattr(store_module, "OLDEST_LANE_PAGE", 2)
+    monkeypatch.setattr(store_module, "ACTIVE_PAGE", 3)
+    q = "q"
+    for i in range(10):
+        store.enqueue(q, f"a{i}", "{}", now_ms=1)
+    for i, claimed_ms in enumerate([NOW - 1000] * 9 + [NOW - 33_000]):
+        assert len(store.claim(q, "w", now_ms=claimed_ms)) == 1
+        # Renewed so that the earliest claim sorts last of the active set.
+        store.extend(q, [(f"a{i}", 1)], now_ms=NOW + i * 1000)
+    for i in range(7):
+        # The oldest pending job waits in the last lane, by name.
+        store.enqueue(q, f"g{i}", "{}", group=f"lane{i}", now_ms=NOW - (44_000 if i == 6 else 1000))
+    got = scrape(EmqCollector(store, [q], now_ms=NOW))
+    assert got[("emq_oldest_pending_age_seconds", (("queue", q),))] == 44.0
+    assert got[("emq_oldest_lease_age_seconds", (("queue", q),))] == 33.0

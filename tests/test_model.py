@@ -723,16 +723,27 @@ class JobStoreModel(RuleBasedStateMachine):
                 gone += 1
         assert self.store.purge_dead(QUEUE, ids) == gone
 
-    @precondition(lambda self: self._in("dead"))
+    @precondition(lambda self: self._in("dead") and not self._lapsed(1))
     @rule(max_size=st.integers(1, 2), max_age_ms=st.sampled_from([0, 2000]))
     def trim(self, max_size: int, max_age_ms: int) -> None:
+        """A sweep with no lapsed claim to examine applies only the morgue's retention."""
+        if self.swept_at is not None and self.now - self.swept_at > LEASE_MS / 2:
+            self.outage = (self.swept_at, self.now)
+        self.swept_at = self.now
         dead = sorted(self._in("dead"), key=lambda j: (j.died_ms, j.id))
         doomed = [j for j in dead if max_age_ms and j.died_ms < self.now - max_age_ms]
         doomed += dead[len(doomed) :][: max(0, len(dead) - len(doomed) - max_size)]
         for job in doomed:
             job.state = "gone"
-        n = self.store.trim(QUEUE, max_age_ms=max_age_ms, max_size=max_size, now_ms=self.now)
-        assert n == len(doomed)
+        swept = self.store.sweep(
+            QUEUE,
+            DEFAULT_BUDGET,
+            limit=1000,
+            now_ms=self.now,
+            dead_max_age_ms=max_age_ms,
+            dead_max_size=max_size,
+        )
+        assert sorted((s.id, s.outcome) for s in swept) == sorted((j.id, "trimmed") for j in doomed)
 
     # -- the server forgets its last writes ------------------------------------------
 

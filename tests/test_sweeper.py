@@ -154,6 +154,20 @@ def test_retention_applies_as_jobs_die(app: Celery, client: redis.Redis, prefix:
     assert store.counts("celery")["dead"] == 3
 
 
+def test_a_dead_job_leaves_by_the_next_sweep_when_no_other_job_dies(
+    app: Celery, client: redis.Redis, prefix: str
+) -> None:
+    store = JobStore(client, prefix + "emq", 5000)
+    sweeper = Sweeper(store, EmqOptions(max_stalled=0, dead_max_age_s=60), app=app)
+    lapse_one(app, store, 1000)
+    assert len(sweeper.sweep("celery", now_ms=7000).dead) == 1
+    # Sweeps keep running while no job dies: the one past its age goes.
+    assert sweeper.sweep("celery", now_ms=7000 + 60_000).trimmed == 0
+    report = sweeper.sweep("celery", now_ms=7000 + 60_001)
+    assert report.trimmed == 1 and report.dead == []
+    assert store.counts("celery")["dead"] == 0
+
+
 def test_a_lapse_before_the_task_started_sends_no_signal_and_records_no_failure(
     app: Celery, client: redis.Redis, prefix: str, captured: dict[str, list[JobInfo]]
 ) -> None:

@@ -21,6 +21,8 @@
 ]]
 local active, pending, wake, dead, completed = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local base = KEYS[6]
+-- A counter ends this long after its last change (30 days): a queue gone for good leaves none.
+local COUNTER_TTL_MS = 2592000000
 
 
 local out = {}
@@ -37,6 +39,7 @@ for i = 1, #ARGV, 2 do
     redis.call('HSET', job, 'completed', 1)
     redis.call('HINCRBY', base .. 'metrics:fenced', 'count', 1)
     redis.call('HINCRBY', base .. 'metrics:fenced', 'reason:ack', 1)
+    redis.call('PEXPIRE', base .. 'metrics:fenced', COUNTER_TTL_MS)
     code = 5
   else
     if row[1] == 'active' then
@@ -65,4 +68,5 @@ for i = 1, #ARGV, 2 do
   end
   out[#out + 1] = code
 end
+redis.call('PEXPIRE', completed, COUNTER_TTL_MS)
 return out

@@ -22,6 +22,8 @@
 ]]
 local active, pending, wake, dead, job = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local failed, base = KEYS[6], KEYS[7]
+-- A counter ends this long after its last change (30 days): a queue gone for good leaves none.
+local COUNTER_TTL_MS = 2592000000
 local id, token, reason, err = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local now_ms = tonumber(ARGV[5])
 if not now_ms then
@@ -40,12 +42,14 @@ if row[1] == 'active' then
   if live ~= token then
     redis.call('HINCRBY', base .. 'metrics:fenced', 'count', 1)
     redis.call('HINCRBY', base .. 'metrics:fenced', 'reason:bury', 1)
+    redis.call('PEXPIRE', base .. 'metrics:fenced', COUNTER_TTL_MS)
     return 5
   end
   redis.call('ZREM', active, id)
   if row[4] then
     redis.call('DEL', job, base .. 'msg:' .. id)
     redis.call('HINCRBY', base .. 'metrics:completed', 'count', 1)
+    redis.call('PEXPIRE', base .. 'metrics:completed', COUNTER_TTL_MS)
     return 7
   end
 else
@@ -65,4 +69,5 @@ redis.call('HSET', job, 'state', 'dead', 'owner', '', 'last_error', reason,
 redis.call('ZADD', dead, now_ms, id)
 redis.call('HINCRBY', failed, 'count', 1)
 redis.call('HINCRBY', failed, 'reason:' .. reason, 1)
+redis.call('PEXPIRE', failed, COUNTER_TTL_MS)
 return 0

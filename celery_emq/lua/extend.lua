@@ -8,6 +8,8 @@
   Returns a flat array id, token, ... of the claims that are lost (no longer
   active, or active under another claim: counted fenced); those are left untouched.
 ]]
+-- A counter ends this long after its last change (30 days).
+local COUNTER_TTL_MS = 2592000000
 local active, jobs, fenced = KEYS[1], KEYS[2], KEYS[3]
 local lease_ms = tonumber(ARGV[1])
 local now_ms = tonumber(ARGV[2])
@@ -29,6 +31,7 @@ for i = 3, #ARGV, 2 do
     if not live then
       redis.call('HINCRBY', fenced, 'count', 1)
       redis.call('HINCRBY', fenced, 'reason:extend', 1)
+      redis.call('PEXPIRE', fenced, COUNTER_TTL_MS)
     end
   end
   if live then

@@ -13,8 +13,11 @@
   KEYS[10] etas     <p>:{q}:etas (HASH, Celery task id -> job id of delayed jobs)
   ARGV[1] limit     most jobs to delete in this call
   ARGV[2] expired   1: only if the queue expired (its expires key is gone)
+  ARGV[3..] counters  with `expired`, the names of the queue's counters (metrics:<name>; a few)
   Returns the number of jobs deleted, -1 when `expired` was asked and the queue
   is still in use; the caller repeats while it equals limit.
+  An expired queue left with no job at all (none pending, delayed, active or dead)
+  loses its remaining keys too: counters, swept, migrated, etas and the ordering keys.
 ]]
 local pending, wake, seq, head = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local lanes, cursor, expires, base = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
@@ -62,5 +65,12 @@ if redis.call('ZCARD', pending) == 0 and redis.call('EXISTS', lanes) == 0 then
   redis.call('DEL', wake, seq, head, cursor)
 else
   redis.call('LTRIM', wake, 0, -(claimable + 1))
+end
+if expired and redis.call('EXISTS', pending, lanes, delayed, base .. 'active', base .. 'dead') == 0 then
+  local leftovers = {etas, base .. 'swept', base .. 'migrated'}
+  for i = 3, #ARGV do
+    leftovers[#leftovers + 1] = base .. 'metrics:' .. ARGV[i]
+  end
+  redis.call('DEL', unpack(leftovers))
 end
 return n

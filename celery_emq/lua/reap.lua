@@ -23,6 +23,8 @@ if not now_ms then
 end
 
 local BAND = 1099511627776
+-- A counter ends this long after its last change (30 days): a queue gone for good leaves none.
+local COUNTER_TTL_MS = 2592000000
 
 local ids = redis.call('ZRANGE', active, '-inf', now_ms, 'BYSCORE', 'LIMIT', 0, limit)
 -- Front-of-queue scores count down from the head sequence: the first of the
@@ -43,6 +45,7 @@ for i, id in ipairs(ids) do
     -- An older claim completed the job (its ack was fenced): done, not run again.
     redis.call('DEL', job, base .. 'msg:' .. id)
     redis.call('HINCRBY', base .. 'metrics:completed', 'count', 1)
+    redis.call('PEXPIRE', base .. 'metrics:completed', COUNTER_TTL_MS)
   elseif row[1] then
     local lane = pending
     if row[2] and row[2] ~= '' then

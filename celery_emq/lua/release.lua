@@ -22,6 +22,8 @@ local lanes, base = KEYS[6], KEYS[7]
 local id, token, unless_started = ARGV[1], ARGV[2], ARGV[3] == '1'
 
 local BAND = 1099511627776
+-- A counter ends this long after its last change (30 days): a queue gone for good leaves none.
+local COUNTER_TTL_MS = 2592000000
 
 
 if not redis.call('ZSCORE', active, id) then
@@ -34,6 +36,7 @@ local live = (row[6] and string.match(row[6], '^%d+') == row[1]) and row[6] or r
 if live ~= token then
   redis.call('HINCRBY', base .. 'metrics:fenced', 'count', 1)
   redis.call('HINCRBY', base .. 'metrics:fenced', 'reason:release', 1)
+  redis.call('PEXPIRE', base .. 'metrics:fenced', COUNTER_TTL_MS)
   return 5
 end
 if unless_started and row[4] == token then
@@ -43,6 +46,7 @@ if row[5] then
   redis.call('ZREM', active, id)
   redis.call('DEL', job, base .. 'msg:' .. id)
   redis.call('HINCRBY', base .. 'metrics:completed', 'count', 1)
+  redis.call('PEXPIRE', base .. 'metrics:completed', COUNTER_TTL_MS)
   return 7
 end
 local n = redis.call('INCR', head)

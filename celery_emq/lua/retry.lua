@@ -22,6 +22,8 @@ if not now_ms then
 end
 
 local BAND = 1099511627776
+-- A counter ends this long after its last change (30 days): a queue gone for good leaves none.
+local COUNTER_TTL_MS = 2592000000
 
 local missing = {}
 for i = FIRST, #ARGV do
@@ -57,6 +59,7 @@ for i = FIRST, #ARGV do
     redis.call('HDEL', job, 'died_ms')
     redis.call('LPUSH', wake, 1)
     redis.call('HINCRBY', base .. 'metrics:retried', 'count', 1)
+    redis.call('PEXPIRE', base .. 'metrics:retried', COUNTER_TTL_MS)
     out[#out + 1] = id
   end
 end

@@ -8,6 +8,8 @@
   Returns 0 OK, 1 NOT_FOUND (no row, or not active), 5 FENCED (another claim holds
   it; counted, reason:start).
 ]]
+-- A counter ends this long after its last change (30 days).
+local COUNTER_TTL_MS = 2592000000
 local job, fenced = KEYS[1], KEYS[2]
 local token = ARGV[1]
 
@@ -21,6 +23,7 @@ local live = (row[3] and string.match(row[3], '^%d+') == row[2]) and row[3] or r
 if live ~= token then
   redis.call('HINCRBY', fenced, 'count', 1)
   redis.call('HINCRBY', fenced, 'reason:start', 1)
+  redis.call('PEXPIRE', fenced, COUNTER_TTL_MS)
   return 5
 end
 redis.call('HSET', job, 'started', token)

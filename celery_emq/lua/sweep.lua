@@ -12,14 +12,21 @@
   ARGV[4] reason      why these jobs stalled: lease_expired | worker_lost
   ARGV[5] lease_ms    the queue's lease: an outage is a gap between sweeps of over half of it
   ARGV[6] max_lapsed  lapses before a start forgiven (see below); -1 never dead-letters
-  ARGV[7..] id, token pairs: charge these live claims (a worker lost the process
+  ARGV[7] dead_max_age_ms  morgue retention: dead jobs older than this are deleted (0: any age)
+  ARGV[8] dead_max_size    morgue retention: most dead jobs kept (0: any number)
+  ARGV[9..] id, token pairs: charge these live claims (a worker lost the process
             running them) instead of examining the lapsed ones; a pair that names
             no live claim changes nothing and is counted in metrics:fenced
             (reason:charge)
   Returns a flat array: id, outcome (recovered | dead | requeued | never_started |
-  completed | graced), stalled, message (as stored; false unless recovered, dead or
-  never_started), ... A job an older claim completed (its ack was fenced, `completed`
-  is set) is deleted and counted completed instead (outcome completed).
+  completed | graced | trimmed), stalled, message (as stored; false unless recovered,
+  dead or never_started), ... A job an older claim completed (its ack was fenced,
+  `completed` is set) is deleted and counted completed instead (outcome completed).
+  Retention: a pass that examines lapsed claims (not a charge) then deletes up to `limit`
+  dead jobs past the morgue's age or size bounds, oldest deaths first (outcome trimmed,
+  stalled 0): every sweep applies it, whether or not a job died since the last. Such a pass
+  also drops the ordering keys (wake, head, seq, cursor) of a queue with nothing pending.
+  Counters end COUNTER_TTL_MS after their last change (every script that counts renews it).
   Outage rule: `<base>swept` (HASH at, from, to) keeps when sweeps ran. A live worker
   renews at least every half lease, so its lease lapses only if Redis did not hear from
   it for half a lease; a pass finding that no sweep ran for over half a lease takes the
@@ -43,6 +50,7 @@ local lanes, base = KEYS[6], KEYS[7]
 local limit = tonumber(ARGV[2])
 local default_budget, reason = tonumber(ARGV[3]), ARGV[4]
 local lease_ms, max_lapsed = tonumber(ARGV[5]), tonumber(ARGV[6])
+local dead_max_age_ms, dead_max_size = tonumber(ARGV[7]), tonumber(ARGV[8])
 local now_ms = tonumber(ARGV[1])
 if not now_ms then
   local t = redis.call('TIME')
@@ -51,15 +59,17 @@ end
 
 
 local BAND = 1099511627776
+-- A counter ends this long after its last change (30 days): a queue gone for good leaves none.
+local COUNTER_TTL_MS = 2592000000
 local HISTORY = 20
 local SWEPT_TTL_MS = 86400000
 
-local charge = #ARGV >= 7
+local charge = #ARGV >= 9
 local ids, tokens = {}, {}
 -- The outage window lapses are forgiven in (none unless one was seen).
 local outage_from, outage_to
 if charge then
-  for i = 7, math.min(#ARGV, 6 + 2 * limit), 2 do
+  for i = 9, math.min(#ARGV, 8 + 2 * limit), 2 do
     ids[#ids + 1] = ARGV[i]
     tokens[#ids] = ARGV[i + 1]
   end
@@ -104,6 +114,7 @@ for i, id in ipairs(ids) do
   if deadline and not examine then
     redis.call('HINCRBY', base .. 'metrics:fenced', 'count', 1)
     redis.call('HINCRBY', base .. 'metrics:fenced', 'reason:charge', 1)
+    redis.call('PEXPIRE', base .. 'metrics:fenced', COUNTER_TTL_MS)
   end
   if examine and row[1] and not row[10] and outage_from and deadline > outage_from + lease_ms / 2
       and deadline <= outage_to + lease_ms / 2 and tonumber(row[11]) ~= deadline then
@@ -130,6 +141,7 @@ for i, id in ipairs(ids) do
       stalled = tonumber(redis.call('HGET', job, 'stalled') or '0')
       redis.call('DEL', job, base .. 'msg:' .. id)
       redis.call('HINCRBY', base .. 'metrics:completed', 'count', 1)
+      redis.call('PEXPIRE', base .. 'metrics:completed', COUNTER_TTL_MS)
       outcome = 'completed'
     elseif not charge and row[9] ~= token then
       -- Never started under this claim: not the job's fault, so not a stall. Yet a
@@ -144,6 +156,7 @@ for i, id in ipairs(ids) do
         redis.call('ZADD', dead, now_ms, id)
         redis.call('HINCRBY', base .. 'metrics:failed', 'count', 1)
         redis.call('HINCRBY', base .. 'metrics:failed', 'reason:never_started', 1)
+        redis.call('PEXPIRE', base .. 'metrics:failed', COUNTER_TTL_MS)
         outcome = 'never_started'
       else
         if lane ~= pending then
@@ -169,6 +182,7 @@ for i, id in ipairs(ids) do
         table.remove(history, 1)
       end
       redis.call('HINCRBY', base .. 'metrics:stalled', 'count', 1)
+      redis.call('PEXPIRE', base .. 'metrics:stalled', COUNTER_TTL_MS)
       redis.call('HINCRBY', base .. 'metrics:stalled', 'reason:' .. reason, 1)
       if budget >= 0 and stalled > budget then
         redis.call('HSET', job, 'state', 'dead', 'owner', '', 'last_error', 'stalled',
@@ -176,6 +190,7 @@ for i, id in ipairs(ids) do
           'error', reason .. ': stalled ' .. stalled .. ' times, max_stalled=' .. budget)
         redis.call('ZADD', dead, now_ms, id)
         redis.call('HINCRBY', base .. 'metrics:failed', 'count', 1)
+        redis.call('PEXPIRE', base .. 'metrics:failed', COUNTER_TTL_MS)
         redis.call('HINCRBY', base .. 'metrics:failed', 'reason:' .. reason, 1)
         outcome = 'dead'
       else
@@ -187,6 +202,7 @@ for i, id in ipairs(ids) do
           'history', cjson.encode(history))
         redis.call('LPUSH', wake, 1)
         redis.call('HINCRBY', base .. 'metrics:recovered', 'count', 1)
+        redis.call('PEXPIRE', base .. 'metrics:recovered', COUNTER_TTL_MS)
         redis.call('HINCRBY', base .. 'metrics:recovered', 'reason:' .. reason, 1)
         outcome = 'recovered'
       end
@@ -200,5 +216,41 @@ for i, id in ipairs(ids) do
       out[#out + 1] = false
     end
   end
+end
+
+local in_morgue = 0
+if not charge and (dead_max_age_ms > 0 or dead_max_size > 0) then
+  in_morgue = redis.call('ZCARD', dead)
+end
+if in_morgue > 0 then
+  -- Morgue retention, by age then by size, at most `limit` deletions per call.
+  local doomed = {}
+  if dead_max_age_ms > 0 then
+    doomed = redis.call('ZRANGE', dead, '-inf', '(' .. (now_ms - dead_max_age_ms), 'BYSCORE',
+      'LIMIT', 0, limit)
+  end
+  if dead_max_size > 0 and #doomed < limit then
+    local excess = in_morgue - #doomed - dead_max_size
+    if excess > 0 then
+      local more = redis.call('ZRANGE', dead, #doomed, #doomed + math.min(excess, limit - #doomed) - 1)
+      for _, id in ipairs(more) do
+        doomed[#doomed + 1] = id
+      end
+    end
+  end
+  for _, id in ipairs(doomed) do
+    redis.call('ZREM', dead, id)
+    redis.call('DEL', base .. 'job:' .. id, base .. 'msg:' .. id)
+    out[#out + 1] = id
+    out[#out + 1] = 'trimmed'
+    out[#out + 1] = 0
+    out[#out + 1] = false
+  end
+end
+-- Nothing waits: the ordering keys go, as a claim that drains the queue drops them.
+local seq, cursor = base .. 'seq', base .. 'cursor'
+if not charge and redis.call('EXISTS', wake, head, seq, cursor) > 0
+    and redis.call('ZCARD', pending) == 0 and redis.call('EXISTS', lanes) == 0 then
+  redis.call('DEL', wake, head, seq, cursor)
 end
 return out

@@ -67,7 +67,8 @@ def test_every_timestamp_written_without_now_ms_is_the_server_clock(
     row = store.job("q", "b")
     assert before <= int(row["retried_ms"]) <= int(row["died_ms"]) <= after
     # Retention by age: a morgue an hour old by the host's clock is not old on the server's.
-    assert store.trim("q", max_age_ms=60_000, max_size=0) == 0
+    swept = store.sweep("q", max_stalled=1, dead_max_age_ms=60_000)
+    assert [s.id for s in swept if s.outcome == "trimmed"] == []
     assert client.zcard(k.dead) == 1
 
 

@@ -45,14 +45,20 @@ class Recorder:
 
             def __call__(self, keys: list[Any], args: list[Any], client: Any) -> Any:
                 recorder.calls.append((keys, args))
-                return 0 if "trim" in source.split("\n", 1)[0] else []
+                return reply(source)
 
         return Run()
 
     def evalsha(self, sha: str, numkeys: int, *keys_and_args: Any) -> Any:
         """The direct call :meth:`Scripts._run` makes (``sha`` is the source here)."""
         self.calls.append((list(keys_and_args[:numkeys]), list(keys_and_args[numkeys:])))
-        return 0 if "trim" in sha.split("\n", 1)[0] else []
+        return reply(sha)
+
+
+def reply(source: str) -> Any:
+    """An empty answer of the script whose source is given, in the shape its wrapper reads."""
+    first = source.split("\n", 1)[0]
+    return [None, None] if "oldest" in first else []
 
 
 Call = Callable[[Scripts, QueueKeys], Any]
@@ -67,15 +73,15 @@ CALLS: dict[str, tuple[Call, int]] = {
     "release": (lambda s, k: s.release(k, "id", 1), 0),
     "extend": (lambda s, k: s.extend(k, 1000, 1, PAIRS), 4),
     "bury": (lambda s, k: s.bury(k, "id", 1, "r", "e", 1), 0),
-    "purge": (lambda s, k: s.purge(k, 10), 0),
+    "purge": (lambda s, k: s.purge(k, 10, True, ["completed", "failed"]), 2),
     "reap": (lambda s, k: s.reap(k, 1, 10), 0),
     "sweep": (lambda s, k: s.sweep(k, 1, 10, 1, "worker_lost", 5000, PAIRS), 4),
-    "trim": (lambda s, k: s.trim(k, 1, 1000, 10, 10), 0),
     "retry": (lambda s, k: s.retry(k, 1, ["a", "b"]), 2),
     "purge_dead": (lambda s, k: s.purge_dead(k, ["a", "b"]), 2),
     "give_back": (lambda s, k: s.give_back(k), 0),
     "promote": (lambda s, k: s.promote(k, 1, 10, ["t1", "t2"]), 2),
     "tally": (lambda s, k: s.tally(k, 0, 10, True), 0),
+    "oldest": (lambda s, k: s.oldest(k, 0, 10, 0, 10), 0),
 }
 
 #: Calls that leave the time to the Redis server (``now_ms=None``).
@@ -86,7 +92,6 @@ SERVER_TIME: dict[str, Call] = {
     "bury": lambda s, k: s.bury(k, "id", 1, "r", "e", None),
     "reap": lambda s, k: s.reap(k, None, 10),
     "sweep": lambda s, k: s.sweep(k, None, 10, 1, "lease_expired", 5000),
-    "trim": lambda s, k: s.trim(k, None, 1000, 10, 10),
     "retry": lambda s, k: s.retry(k, None, ["a"]),
     "promote": lambda s, k: s.promote(k, None, 10),
 }

@@ -6,6 +6,7 @@ import threading
 import pytest
 import redis
 
+from celery_emq.scripts import Swept
 from celery_emq.store import JobStore
 from tests.conftest import bulk_enqueue, bulk_start, sweeps_ran_until, token_of
 
@@ -266,3 +267,55 @@ def test_reap_returns_lapsed_jobs_uncounted(
         assert (row["state"], row["stalled"], row["reason"]) == ("pending", "0", "lease_expired")
     assert client.zcard(store.keys("q").pending) == len(reaped)
     assert client.llen(store.keys("q").wake) == len(reaped)
+
+
+def bury_at(store: JobStore, ids: list[str], died_ms: int) -> None:
+    for i in ids:
+        store.enqueue("q", i, b"{}", now_ms=1)
+        store.bury("q", i, "rejected", "", now_ms=died_ms)
+
+
+def trimmed(swept: list[Swept]) -> list[str]:
+    return [s.id for s in swept if s.outcome == "trimmed"]
+
+
+def test_sweep_applies_morgue_age_with_no_job_dying(store: JobStore, client: redis.Redis) -> None:
+    bury_at(store, ["old1", "old2"], died_ms=1000)
+    bury_at(store, ["new"], died_ms=9000)
+    swept = store.sweep("q", max_stalled=1, now_ms=10_000, dead_max_age_ms=5000)
+    assert sorted(trimmed(swept)) == ["old1", "old2"]
+    k = store.keys("q")
+    assert client.zrange(k.dead, 0, -1) == [b"new"]
+    assert not client.exists(k.job("old1"), k.msg("old1"), k.job("old2"), k.msg("old2"))
+    assert client.exists(k.job("new"), k.msg("new")) == 2
+
+
+def test_sweep_applies_morgue_size_keeping_the_newest(store: JobStore, client: redis.Redis) -> None:
+    for n in range(5):
+        bury_at(store, [f"d{n}"], died_ms=1000 + n)
+    swept = store.sweep("q", max_stalled=1, now_ms=2000, dead_max_size=2)
+    assert trimmed(swept) == ["d0", "d1", "d2"]
+    assert client.zrange(store.keys("q").dead, 0, -1) == [b"d3", b"d4"]
+
+
+def test_sweep_retention_is_bounded_by_the_limit(store: JobStore, client: redis.Redis) -> None:
+    for n in range(25):
+        bury_at(store, [f"d{n}"], died_ms=1000 + n)
+    swept = store.sweep("q", max_stalled=1, limit=7, now_ms=2000, dead_max_size=5)
+    assert len(trimmed(swept)) == 7
+    assert client.zcard(store.keys("q").dead) == 18
+
+
+def test_sweep_without_bounds_or_on_a_charge_keeps_the_morgue(
+    store: JobStore, client: redis.Redis
+) -> None:
+    bury_at(store, ["a", "b"], died_ms=1)
+    assert store.sweep("q", max_stalled=1, now_ms=10**12) == []
+    store.enqueue("q", "c", b"{}", now_ms=1)
+    [job] = store.claim("q", "w1", now_ms=2)
+    store.start("q", job.id, job.token)
+    k = store.keys("q")
+    claims = [("c", job.token)]
+    charged = store.scripts.sweep(k, 3, 1, 5, "worker_lost", 5000, claims, dead_max_size=1)
+    assert [(s.id, s.outcome) for s in charged] == [("c", "recovered")]
+    assert client.zcard(k.dead) == 2

@@ -253,6 +253,36 @@ def test_fanout_and_an_expiring_reply_queue_work(connect: ConnFactory) -> None:
         c.cancel()
 
 
+def test_a_gone_reply_queue_leaves_no_binding_and_no_key(
+    connect: ConnFactory, cluster_client: RedisCluster, cluster_prefix: str
+) -> None:
+    reply = Queue("reply.gone", Exchange("replies", "direct"), routing_key="r", expires=0.2)
+    kept = Queue("reply.kept", Exchange("replies", "direct"), routing_key="k", expires=60)
+    conn = connect()
+    channel = conn.channel()
+    producer = Producer(channel)
+    got: list[Any] = []
+    with Consumer(channel, [reply, kept], callbacks=[lambda b, m: got.append(b)], no_ack=True):
+        producer.publish({"pong": 1}, exchange=reply.exchange, routing_key="r", declare=[reply])
+        drain(conn, got, 1, timeout=5)
+    assert got == [{"pong": 1}]
+    table = cluster_prefix + "_kombu.binding.replies"
+    assert len(cluster_client.smembers(table)) == 2
+    time.sleep(0.4)
+    channel.store.expire()
+    # The gone queue's binding and keys go; the queue still in use keeps its own.
+    assert [m.decode().rsplit(channel.sep, 1)[1] for m in cluster_client.smembers(table)] == [
+        "reply.kept"
+    ]
+    assert not [
+        k
+        for node in cluster_client.get_primaries()
+        for k in cluster_client.get_redis_connection(node).scan_iter(
+            match=cluster_prefix + "emq:{reply.gone}*"
+        )
+    ]
+
+
 def test_queue_status_reads_a_queue_on_the_cluster(
     cluster_client: RedisCluster, cluster_prefix: str
 ) -> None:

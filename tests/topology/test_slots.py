@@ -62,17 +62,17 @@ def test_every_script_call_keeps_to_one_slot(
         store.release(queue, "3", 1)
         store.bury(queue, "2", 1, "rejected")
         store.retry(queue, ["2"])
-        store.sweep(queue, 1, now_ms=store.server_ms() + 10**7)
+        store.sweep(queue, 1, now_ms=store.server_ms() + 10**7, dead_max_size=1)
         store.reap(queue, now_ms=store.server_ms() + 10**8)
         store.tally(queue, heads=True)
+        store.scripts.oldest(store.keys(queue), 0, 10, 0, 10)
         store.give_back(queue)
         store.ack(queue, "1", 1)
-        store.trim(queue, 1, 1)
         store.purge_dead(queue, ["2"])
         store.purge(queue)
     assert set(seen) >= {
         "enqueue", "promote", "claim", "start", "extend", "release", "bury", "retry",
-        "sweep", "reap", "tally", "give_back", "ack", "trim", "purge_dead", "purge",
+        "sweep", "reap", "tally", "oldest", "give_back", "ack", "purge_dead", "purge",
     }  # fmt: skip
 
 

@@ -13,10 +13,11 @@ import redis
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 import celery_emq  # noqa: F401  (registers emq://)
-from celery_emq import InvalidOptionError
+from celery_emq import EmqOptions, InvalidOptionError
 from celery_emq.lease import keeper, parse_tag
 from celery_emq.scripts import Batch
 from celery_emq.store import JobStore
+from celery_emq.sweeper import Sweeper
 from tests.conftest import CLUSTER, servers_of
 
 ConnFactory = Callable[..., Connection]
@@ -164,7 +165,8 @@ def test_malformed_payload_is_dead_lettered_and_consuming_goes_on(
         job_dead_lettered.disconnect(on_dead)
     assert [b for b, _ in got] == ["before", "after"]
     assert [(j.id, j.reason) for j in seen] == [("broken1", "malformed"), ("broken2", "malformed")]
-    # Retention applies as jobs arrive: dead_max_size=1 keeps the newest only.
+    # Retention applies at the next sweep: dead_max_size=1 keeps the newest only.
+    assert Sweeper(store, EmqOptions(dead_max_size=1)).sweep("q").trimmed == 1
     assert store.client.zrange(store.keys("q").dead, 0, -1) == [b"broken2"]
     row = store.job("q", "broken2")
     assert (row["state"], row["last_error"], row["reason"]) == ("dead", "malformed", "malformed")
