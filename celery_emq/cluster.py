@@ -34,7 +34,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import ClusterDownError, RedisClusterException
 
-from .nodes import Lanes
+from .nodes import Lanes, Troubles
 from .transport import Channel
 
 __all__ = ["ClusterChannel"]
@@ -208,8 +208,8 @@ class ClusterChannel(Channel):
         #: Serialises a waker's report of a pop with the loop's disarming.
         self._wake_lock = threading.Lock()
         self._scan_lanes: Lanes[str] = Lanes("celery_emq-scan")
-        #: Masters that did not answer the consumer, and since when (monotonic s).
-        self._unanswered: dict[str, float] = {}
+        #: Masters that do not answer the consumer.
+        self._unanswered = Troubles()
         super().__init__(*args, **kwargs)
 
     # -- clients ---------------------------------------------------------
@@ -452,25 +452,22 @@ class ClusterChannel(Channel):
             return False
 
     def _unanswering(self, node: str, queues: list[str], why: object) -> None:
-        if node not in self._unanswered:
-            self._unanswered[node] = monotonic()
-            logger.warning(
-                "celery_emq: %s does not answer (%s): its queues %s wait for it; "
-                "the other masters' queues are consumed meanwhile",
-                node,
-                why if isinstance(why, str) else repr(why),
-                ", ".join(queues),
-            )
+        self._unanswered.report(
+            node,
+            "celery_emq: %s does not answer (%s): its queues %s wait for it; "
+            "the other masters' queues are consumed meanwhile",
+            node,
+            why if isinstance(why, str) else repr(why),
+            ", ".join(queues),
+        )
 
     def _answered(self, node: str, queues: list[str]) -> None:
-        since = self._unanswered.pop(node, None)
-        if since is not None:
-            logger.warning(
-                "celery_emq: %s answers again after %.1f s: its queues %s are consumed again",
-                node,
-                monotonic() - since,
-                ", ".join(queues),
-            )
+        self._unanswered.over(
+            node,
+            "celery_emq: %s answers again: its queues %s are consumed (after %.1f s)",
+            node,
+            ", ".join(queues),
+        )
 
     def _poll_error(self, type: str, **options: Any) -> None:
         if type == "BRPOP":

@@ -22,7 +22,7 @@ import uuid
 from functools import partial
 from typing import TYPE_CHECKING, NamedTuple
 
-from .nodes import Lanes
+from .nodes import Lanes, Troubles
 from .scripts import Outcome
 
 if TYPE_CHECKING:
@@ -147,6 +147,7 @@ class LeaseKeeper:
         #: Failed renewals in a row, per node.
         self._node_failures: dict[str, int] = {}
         self._lanes: Lanes[str] = Lanes("celery_emq-renew")
+        self._late = Troubles()
         self.renewals = 0
 
     def hold(
@@ -364,6 +365,7 @@ class LeaseKeeper:
         lost: list[str] = []
         for (_, queue), (store, held) in groups.items():
             lost.extend(delivery_tag(*c) for c in store.extend(queue, held, now_ms=now_ms))
+        self._late.over(node, "celery_emq: leases on %s renewed again (late for %.1f s)", node)
         with self._lock:
             self._node_renewed_at[node] = began
             # A claim settled while its renewal was on the way is not lost.
@@ -383,7 +385,8 @@ class LeaseKeeper:
         interval_s = self.interval_ms / 1000
         renewed_at = self._node_renewed_at.get(node)
         since_s = busy_s if renewed_at is None else time.monotonic() - renewed_at
-        logger.warning(
+        self._late.report(
+            node,
             "celery_emq: the renewal of %d lease(s) on %s is %.1f s late (last renewed %.1f s "
             "ago, renewal interval %.1f s): the node does not answer; other nodes' leases "
             "are renewed meanwhile",

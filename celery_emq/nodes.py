@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from queue import SimpleQueue
 from typing import Any, Generic, TypeVar
 
-__all__ = ["Lanes", "Share"]
+__all__ = ["Lanes", "Share", "Troubles"]
 
 logger = logging.getLogger(__name__)
 
@@ -147,3 +147,39 @@ class Lanes(Generic[K]):
             if lane.thread.is_alive():
                 name = lane.thread.name
                 logger.warning("celery_emq: %s did not end within %.1f s", name, timeout_s)
+
+
+class Troubles:
+    """Per node, whether it is in trouble: warned at once, again at most every ``every_s``.
+
+    A node that hangs is reported on every pass; its log says so once, then
+    now and then with the figures of the moment, and once more when it is
+    over (:meth:`over`).
+    """
+
+    def __init__(self, every_s: float = 5.0) -> None:
+        self.every_s = every_s
+        self._since: dict[str, float] = {}
+        self._warned: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def report(self, node: str, msg: str, *args: object) -> None:
+        """Log ``msg`` about ``node``: a warning unless one was logged within ``every_s``."""
+        now = time.monotonic()
+        with self._lock:
+            self._since.setdefault(node, now)
+            warn = now - self._warned.get(node, float("-inf")) >= self.every_s
+            if warn:
+                self._warned[node] = now
+        (logger.warning if warn else logger.debug)(msg, *args)
+
+    def over(self, node: str, msg: str, *args: object) -> None:
+        """End ``node``'s trouble; log ``msg`` (with its length in s appended) if it had one."""
+        with self._lock:
+            since = self._since.pop(node, None)
+            self._warned.pop(node, None)
+        if since is not None:
+            logger.warning(msg, *args, time.monotonic() - since)
+
+    def __contains__(self, node: object) -> bool:
+        return node in self._since

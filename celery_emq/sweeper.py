@@ -21,7 +21,7 @@ from typing import Any
 from . import lease
 from .errors import StalledJobError
 from .jobs import JobInfo, accepted_content, describe
-from .nodes import Lanes
+from .nodes import Lanes, Troubles
 from .options import EmqOptions
 from .scripts import Outcome, Swept
 from .signals import job_dead_lettered, job_recovered, job_stalled
@@ -326,6 +326,7 @@ class SweepThread:
         self._wake = threading.Event()
         self._lanes: Lanes[str] = Lanes("celery_emq-sweep")
         self._expiry: Lanes[str] = Lanes("celery_emq-expire")
+        self._troubles = Troubles()
 
     def watch(self, sweeper: Sweeper, queue: str) -> None:
         """Start sweeping ``queue`` with ``sweeper`` (idempotent per store and queue)."""
@@ -381,21 +382,25 @@ class SweepThread:
             stores.setdefault(id(sweeper.store), sweeper)
             by_node.setdefault(sweeper.store.node_of(queue), []).append((sweeper, queue))
         for node in sorted(unrenewed & set(by_node)):
-            logger.warning(
-                "celery_emq: this process's leases on %s could not be renewed; "
-                "its queues' sweep skipped until next pass",
+            self._troubles.report(
+                node,
+                "celery_emq: this process's leases on %s could not be renewed: "
+                "its queues are not swept until they are",
                 node,
             )
             del by_node[node]
         shares = {node: partial(_sweep_all, items, now_ms) for node, items in by_node.items()}
         reports: list[SweepReport] = []
-        for node, share in self._lanes.run(shares, self._interval_s or 5.0).items():
+        interval_s = self._interval_s or 5.0
+        for node, share in self._lanes.run(shares, interval_s).items():
             if share.done:
                 reports.extend(share.value or [])
-            elif share.late and share.busy_s >= (self._interval_s or 5.0):
-                logger.warning(
+                self._troubles.over(node, "celery_emq: %s's queues swept again after %.1f s", node)
+            elif share.late and share.busy_s >= interval_s:
+                self._troubles.report(
+                    node,
                     "celery_emq: the sweep of %s's queues has been running for %.1f s "
-                    "(the node does not answer?): swept again once it ends",
+                    "(the node does not answer?): they are swept again once it ends",
                     node,
                     share.busy_s,
                 )
