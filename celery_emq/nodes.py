@@ -36,7 +36,8 @@ class Share(Generic[T]):
 
     Exactly one holds: ``done`` (``value`` is its result), ``error`` (it
     raised), or neither: ``late``, it did not end within the pass's bound (or
-    the node's lane was still busy with an earlier share, since ``busy_s``).
+    the node's lane was still busy with an earlier share, since ``busy_s``:
+    ``skipped``, this share never ran).
     """
 
     done: bool = False
@@ -44,6 +45,8 @@ class Share(Generic[T]):
     error: BaseException | None = None
     #: How long the node's lane had been on its current share when the pass ended.
     busy_s: float = 0.0
+    #: Late because the lane was still busy with an earlier share: this one never ran.
+    skipped: bool = False
 
     @property
     def late(self) -> bool:
@@ -117,7 +120,7 @@ class Lanes(Generic[K]):
                 if lane is None:
                     lane = self._lanes[node] = _Lane(f"{self.name}-{node}")
                 if lane.busy:
-                    out[node] = Share(busy_s=time.monotonic() - lane.since)
+                    out[node] = Share(busy_s=time.monotonic() - lane.since, skipped=True)
                 else:
                     futures[node] = lane.submit(fn)
             for node in [n for n, lane in self._lanes.items() if n not in shares]:

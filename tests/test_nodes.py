@@ -1,4 +1,4 @@
-"""One node that hangs delays only its own share: lanes, the keeper, the sweep thread.
+"""One node that hangs delays only its own share: lanes, the keeper, the sweeps, the settles.
 
 A node that hangs is a store whose calls block on an event (released by a
 timer, so no test waits for ever); the other node is the suite's Redis.
@@ -12,18 +12,21 @@ import threading
 import time
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import urlparse
 
 import pytest
 import redis
 from celery import Celery
 
-from celery_emq import lease
-from celery_emq.lease import delivery_tag
+from celery_emq import lease, settle
+from celery_emq.lease import Claim, delivery_tag
 from celery_emq.nodes import Lanes
 from celery_emq.options import EmqOptions
+from celery_emq.settle import SEND_BOUND_S, SettleBatcher
 from celery_emq.store import JobStore
 from celery_emq.sweeper import Sweeper, SweepThread
 from tests.conftest import ManualKeeper
+from tests.faults.servers import StallingProxy
 
 INTERVAL_MS = 1000
 LEASE_MS = 3000
@@ -186,3 +189,32 @@ def test_a_hung_node_delays_no_other_nodes_sweep_nor_the_expiry_pass(
     assert time.monotonic() - began < 1.0
     assert report.recovered + report.requeued + report.graced == []  # not lapsed yet
     assert sick.calls == 2
+
+
+def test_a_hung_server_delays_no_other_servers_settles(
+    client: redis.Redis, redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    owed_to = ManualKeeper("me")
+    monkeypatch.setattr(settle, "keeper", lambda: owed_to)
+    proxy = StallingProxy(urlparse(redis_url).port or 6379)
+    db = int(urlparse(redis_url).path.lstrip("/") or 0)
+    stalled = redis.Redis(port=proxy.port, db=db, socket_timeout=3)
+    try:
+        healthy = JobStore(client, prefix + "emq", LEASE_MS)
+        sick = JobStore(stalled, prefix + "sick", LEASE_MS)
+        claims = [Claim(s, "q", *_claim(s, "q", j, 1000)) for s, j in ((sick, "s"), (healthy, "h"))]
+        assert proxy.freeze() >= 1  # the sick store's connection, open and silent
+        time.sleep(0.3)  # a receive under way when it froze still goes through
+        batcher = SettleBatcher()
+        began = time.monotonic()
+        batcher.ack(claims)  # not deferring: sent at once
+        took_s = time.monotonic() - began
+        # The healthy server's ack went through within the bound; the sick
+        # one's is owed to the keeper, which acks it with that server's renewals.
+        assert took_s < SEND_BOUND_S + 0.5, took_s
+        assert healthy.job("q", "h") == {}
+        assert owed_to.owed_count() == 1
+        assert owed_to.get(delivery_tag("s", claims[0].token)) == claims[0]
+    finally:
+        proxy.close()
+        stalled.close()
