@@ -268,7 +268,34 @@ class ClusterChannel(Channel):
         params["password"] = target.password
         if params.get("connection_class") is redis.UnixDomainSocketConnection:
             params["connection_class"] = self.connection_class
+        if not asynchronous:
+            # Broadcasts (events, remote control) are published from the event
+            # loop: a node that hangs must not hold it for the channel's
+            # socket timeout (see _put_fanout).
+            params["socket_timeout"] = self.store_timeout_s
         return params
+
+    def _put_fanout(self, exchange: str, message: Any, routing_key: str, **kwargs: Any) -> Any:
+        """Publish a broadcast on the live node; if it does not answer, once more on another.
+
+        A cluster forwards a ``PUBLISH`` on any node to the subscribers on
+        every node, so any node that answers will do.
+        """
+        batched = kwargs.get("_publish_batch") is not None
+        try:
+            return super()._put_fanout(exchange, message, routing_key, **kwargs)
+        except NODE_ERRORS as exc:
+            if batched or self._node is None:
+                raise
+            logger.warning(
+                "celery_emq: %s:%s does not answer a broadcast (%r): publishing on another node",
+                *self._node,
+                exc,
+            )
+            pool, self._pool, self._node = self._pool, None, None
+            if pool is not None:
+                pool.disconnect()
+            return super()._put_fanout(exchange, message, routing_key, **kwargs)
 
     def _live_node(self) -> tuple[str, int]:
         """A node of the cluster that answers now, picked at random (spreads pub/sub)."""
