@@ -162,6 +162,7 @@ SENTINEL_TESTS = [
     "tests/e2e/test_recovery.py",
     "tests/e2e/test_cli.py",
     "tests/e2e/test_edges.py",
+    "tests/topology/test_sick_node.py",
 ]
 
 

@@ -24,7 +24,7 @@ import select
 import socket
 import threading
 from collections import deque
-from functools import cached_property
+from functools import cached_property, partial
 from time import monotonic
 from typing import Any
 
@@ -32,8 +32,9 @@ import redis
 from kombu.utils.encoding import bytes_to_str
 from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
-from redis.exceptions import RedisClusterException
+from redis.exceptions import ClusterDownError, RedisClusterException
 
+from .nodes import Lanes, Troubles
 from .transport import Channel
 
 __all__ = ["ClusterChannel"]
@@ -42,6 +43,14 @@ logger = logging.getLogger(__name__)
 
 #: How long a waker backs off after a failed wait before it waits again.
 RETRY_S = 0.5
+
+#: Longest a consumer's scan waits for one master's answer; one that hangs
+#: is skipped (its lane stays busy) while the others' queues are consumed.
+SCAN_BOUND_S = 1.0
+
+#: What one master that is down, hung or failing over raises: its queues wait,
+#: the others' are consumed (no consumer restart that would wait on it).
+NODE_ERRORS = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, RedisClusterException)
 
 
 class WakeConnection:
@@ -198,6 +207,9 @@ class ClusterChannel(Channel):
         self._wake_closed = False
         #: Serialises a waker's report of a pop with the loop's disarming.
         self._wake_lock = threading.Lock()
+        self._scan_lanes: Lanes[str] = Lanes("celery_emq-scan")
+        #: Masters that do not answer the consumer.
+        self._unanswered = Troubles()
         super().__init__(*args, **kwargs)
 
     # -- clients ---------------------------------------------------------
@@ -256,7 +268,34 @@ class ClusterChannel(Channel):
         params["password"] = target.password
         if params.get("connection_class") is redis.UnixDomainSocketConnection:
             params["connection_class"] = self.connection_class
+        if not asynchronous:
+            # Broadcasts (events, remote control) are published from the event
+            # loop: a node that hangs must not hold it for the channel's
+            # socket timeout (see _put_fanout).
+            params["socket_timeout"] = self.store_timeout_s
         return params
+
+    def _put_fanout(self, exchange: str, message: Any, routing_key: str, **kwargs: Any) -> Any:
+        """Publish a broadcast on the live node; if it does not answer, once more on another.
+
+        A cluster forwards a ``PUBLISH`` on any node to the subscribers on
+        every node, so any node that answers will do.
+        """
+        batched = kwargs.get("_publish_batch") is not None
+        try:
+            return super()._put_fanout(exchange, message, routing_key, **kwargs)
+        except NODE_ERRORS as exc:
+            if batched or self._node is None:
+                raise
+            logger.warning(
+                "celery_emq: %s:%s does not answer a broadcast (%r): publishing on another node",
+                *self._node,
+                exc,
+            )
+            pool, self._pool, self._node = self._pool, None, None
+            if pool is not None:
+                pool.disconnect()
+            return super()._put_fanout(exchange, message, routing_key, **kwargs)
 
     def _live_node(self) -> tuple[str, int]:
         """A node of the cluster that answers now, picked at random (spreads pub/sub)."""
@@ -406,6 +445,61 @@ class ClusterChannel(Channel):
                     for waker in self._wakers.values():
                         waker.armed.clear()
 
+    # -- one master down delays only its own queues ----------------------------
+
+    def _waiting(self, queues: list[str]) -> list[str]:
+        """Those of ``queues`` that have jobs to claim: each master asked on its own lane.
+
+        A master that fails or does not answer within :data:`SCAN_BOUND_S`
+        has its queues left out of this scan; the others' are claimed. Only
+        when every master fails does the error reach Celery (which reconnects).
+        """
+        by_node: dict[str, list[str]] = {}
+        for q in queues:
+            by_node.setdefault(self.store.node_of(q), []).append(q)
+        shares = {node: partial(self.store.waiting, qs) for node, qs in by_node.items()}
+        found: list[str] = []
+        errors: list[BaseException] = []
+        for node, share in self._scan_lanes.run(shares, SCAN_BOUND_S).items():
+            if share.done:
+                found.extend(share.value or [])
+                self._answered(node, by_node[node])
+            else:
+                if share.error is not None:
+                    errors.append(share.error)
+                why = share.error or f"no answer within {max(share.busy_s, SCAN_BOUND_S):.1f} s"
+                self._unanswering(node, by_node[node], why)
+        if errors and len(errors) == len(shares):
+            raise errors[0]
+        return found
+
+    def _claim_and_deliver(self, queue: str, held: int) -> bool:
+        try:
+            return super()._claim_and_deliver(queue, held)
+        except NODE_ERRORS as exc:
+            # Nothing of the batch is held (a claim whose reply was lost
+            # lapses, uncounted: its task never started).
+            self._unanswering(self.store.node_of(queue), [queue], exc)
+            return False
+
+    def _unanswering(self, node: str, queues: list[str], why: object) -> None:
+        self._unanswered.report(
+            node,
+            "celery_emq: %s does not answer (%s): its queues %s wait for it; "
+            "the other masters' queues are consumed meanwhile",
+            node,
+            why if isinstance(why, str) else repr(why),
+            ", ".join(queues),
+        )
+
+    def _answered(self, node: str, queues: list[str]) -> None:
+        self._unanswered.over(
+            node,
+            "celery_emq: %s answers again: its queues %s are consumed (after %.1f s)",
+            node,
+            ", ".join(queues),
+        )
+
     def _poll_error(self, type: str, **options: Any) -> None:
         if type == "BRPOP":
             if self.client.connection is not None:
@@ -436,6 +530,8 @@ class ClusterChannel(Channel):
                 # The scan of other consumers finds the job within an interval.
                 logger.debug("celery_emq: could not give back a marker of %s", queue)
         super().close()
+        # A scan's call to a master that hangs ends within its socket timeout.
+        self._scan_lanes.close(self.store_timeout_s + 1)
         with self._wake_client_lock:
             self._wake_closed = True
             client, self._wake_client = self._wake_client, None

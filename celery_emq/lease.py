@@ -24,8 +24,10 @@ import socket
 import threading
 import time
 import uuid
+from functools import partial
 from typing import TYPE_CHECKING, NamedTuple
 
+from .nodes import Lanes, Troubles
 from .scripts import Outcome
 
 if TYPE_CHECKING:
@@ -149,8 +151,13 @@ class LeaseKeeper:
         self._interval_ms: int | None = None
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        #: When the last renewal pass that succeeded began (monotonic seconds).
-        self._renewed_at: float | None = None
+        #: When each node's last renewal that succeeded began (monotonic
+        #: seconds), by node (``JobStore.node_of``).
+        self._node_renewed_at: dict[str, float] = {}
+        #: Failed renewals in a row, per node.
+        self._node_failures: dict[str, int] = {}
+        self._lanes: Lanes[str] = Lanes("celery_emq-renew")
+        self._late = Troubles()
         self.renewals = 0
 
     def hold(
@@ -204,22 +211,20 @@ class LeaseKeeper:
         with self._lock:
             return len(self._owed)
 
-    def settle_owed(self) -> int:
-        """Ack the claims whose ack failed before; return how many went through."""
+    def _settle_owed(self, claims: list[tuple[str, Claim]]) -> int:
+        """Ack ``claims`` whose ack failed before; return how many went through."""
         groups: dict[tuple[int, str], list[Claim]] = {}
-        with self._lock:
-            for tag in self._owed:
-                c = self._held[tag]
-                groups.setdefault((id(c.store), c.queue), []).append(c)
+        for _tag, c in claims:
+            groups.setdefault((id(c.store), c.queue), []).append(c)
         settled = 0
-        for claims in groups.values():
-            claims[0].store.ack_many(claims[0].queue, [(c.job_id, c.token) for c in claims])
+        for group in groups.values():
+            group[0].store.ack_many(group[0].queue, [(c.job_id, c.token) for c in group])
             with self._lock:
-                for c in claims:
+                for c in group:
                     tag = delivery_tag(c.job_id, c.token)
                     self._owed.discard(tag)
                     self._held.pop(tag, None)
-            settled += len(claims)
+            settled += len(group)
         if settled:
             logger.info("celery_emq: %d deferred ack(s) went through", settled)
         return settled
@@ -308,38 +313,117 @@ class LeaseKeeper:
             return tag in self._lost
 
     def renew_once(self, now_ms: int | None = None) -> list[str]:
-        """Renew every held lease now; return the delivery tags newly found lost."""
-        began = time.monotonic()
-        groups: dict[tuple[int, str], tuple[JobStore, list[tuple[str, str]]]] = {}
+        """Renew every held lease now, node by node; return the delivery tags newly found lost.
+
+        Each node's share (its owed acks first, then its renewals) runs on
+        that node's lane (see :mod:`celery_emq.nodes`), all of them bounded by
+        the renewal interval: a node that hangs delays only its own leases,
+        and is named in a warning saying how late their renewal is.
+
+        Raises:
+            Exception: the first node's error, once every node's share was
+                applied (the others' renewals stand).
+        """
         with self._lock:
-            for tag, claim in self._held.items():
-                if tag in self._lost:
-                    continue
-                entry = groups.get((id(claim.store), claim.queue))
-                if entry is None:
-                    entry = groups[(id(claim.store), claim.queue)] = (claim.store, [])
-                entry[1].append((claim.job_id, claim.token))
-        lost: list[str] = []
-        for (_, queue), (store, claims) in groups.items():
-            lost.extend(delivery_tag(*c) for c in store.extend(queue, claims, now_ms=now_ms))
-        self._renewed_at = began
+            claims = [(t, c) for t, c in self._held.items() if t not in self._lost]
+            owed = set(self._owed)
+        by_node: dict[str, list[tuple[str, Claim]]] = {}
+        for tag, claim in claims:
+            by_node.setdefault(claim.store.node_of(claim.queue), []).append((tag, claim))
+        shares = {
+            node: partial(self._renew_node, node, held, owed, now_ms)
+            for node, held in by_node.items()
+        }
+        results = self._lanes.run(shares, self.interval_ms / 1000)
         self.renewals += 1
-        if lost:
-            with self._lock:
-                # A claim settled while its renewal was on the way is not lost.
-                held = [t for t in lost if t in self._held]
-                self._lost.update(held)
-            if held:
-                logger.warning(
-                    "celery_emq: %d lease(s) were lost before renewal (the job was "
-                    "recovered elsewhere): %s",
-                    len(held),
-                    ", ".join(held[:10]),
+        lost: list[str] = []
+        errors: list[BaseException] = []
+        for node, share in results.items():
+            if share.done:
+                lost.extend(share.value or [])
+                self._node_failures.pop(node, None)
+            elif share.error is not None:
+                errors.append(share.error)
+                failures = self._node_failures[node] = self._node_failures.get(node, 0) + 1
+                log = logger.warning if failures == 1 else logger.debug
+                log(
+                    "celery_emq: renewing %d lease(s) on %s failed (%d in a row): %r",
+                    len(by_node[node]),
+                    node,
+                    failures,
+                    share.error,
                 )
+            else:
+                self._report_late(node, len(by_node[node]), share.busy_s)
+        if errors:
+            raise errors[0]
         return lost
 
+    def _renew_node(
+        self,
+        node: str,
+        claims: list[tuple[str, Claim]],
+        owed: set[str],
+        now_ms: int | None,
+    ) -> list[str]:
+        """One node's share of a pass: ack its owed claims, then renew its leases."""
+        began = time.monotonic()
+        owing = [(t, c) for t, c in claims if t in owed]
+        if owing:
+            self._settle_owed(owing)
+        groups: dict[tuple[int, str], tuple[JobStore, list[tuple[str, str]]]] = {}
+        with self._lock:
+            for tag, claim in claims:
+                if tag in self._held and tag not in self._owed:
+                    entry = groups.setdefault((id(claim.store), claim.queue), (claim.store, []))
+                    entry[1].append((claim.job_id, claim.token))
+        lost: list[str] = []
+        for (_, queue), (store, held) in groups.items():
+            lost.extend(delivery_tag(*c) for c in store.extend(queue, held, now_ms=now_ms))
+        self._late.over(node, "celery_emq: leases on %s renewed again (late for %.1f s)", node)
+        with self._lock:
+            self._node_renewed_at[node] = began
+            # A claim settled while its renewal was on the way is not lost.
+            found = [t for t in lost if t in self._held]
+            self._lost.update(found)
+        if found:
+            logger.warning(
+                "celery_emq: %d lease(s) were lost before renewal (the job was "
+                "recovered elsewhere): %s",
+                len(found),
+                ", ".join(found[:10]),
+            )
+        return lost
+
+    def _report_late(self, node: str, count: int, busy_s: float) -> None:
+        """Warn that ``node``'s renewals did not end within the renewal interval."""
+        interval_s = self.interval_ms / 1000
+        renewed_at = self._node_renewed_at.get(node)
+        since_s = busy_s if renewed_at is None else time.monotonic() - renewed_at
+        self._late.report(
+            node,
+            "celery_emq: the renewal of %d lease(s) on %s is %.1f s late (last renewed %.1f s "
+            "ago, renewal interval %.1f s): the node does not answer; other nodes' leases "
+            "are renewed meanwhile",
+            count,
+            node,
+            max(0.0, since_s - interval_s),
+            since_s,
+            interval_s,
+        )
+
+    def overdue_nodes(self, intervals: float = 1.0) -> set[str]:
+        """Nodes holding claims of this process not renewed within ``intervals`` intervals."""
+        limit_s = intervals * self.interval_ms / 1000
+        now = time.monotonic()
+        with self._lock:
+            claims = [c for t, c in self._held.items() if t not in self._lost]
+            renewed = dict(self._node_renewed_at)
+        nodes = {c.store.node_of(c.queue) for c in claims}
+        return {n for n in nodes if now - renewed.get(n, float("-inf")) >= limit_s}
+
     def renew_if_overdue(self, now_ms: int | None = None) -> list[str]:
-        """Renew every held lease unless a pass succeeded within the renewal interval.
+        """Renew the held leases unless every node's renewal succeeded within the interval.
 
         The sweep thread calls this before it sweeps. When every thread of the
         process was held up for longer than a lease (a C call that keeps the
@@ -348,15 +432,13 @@ class LeaseKeeper:
         counts a stall against a claim it holds itself. Returns the delivery
         tags newly found lost, as :meth:`renew_once` does.
         """
-        renewed_at = self._renewed_at
-        if not self._held or (
-            renewed_at is not None and time.monotonic() - renewed_at < self.interval_ms / 1000
-        ):
+        if not self._held or not self.overdue_nodes():
             return []
         return self.renew_once(now_ms)
 
     def _run(self) -> None:
         failures = 0
+        began = time.monotonic()
         while True:
             interval_ms = self.interval_ms
             # After a failure retry at once (the failed connection was dropped,
@@ -369,13 +451,15 @@ class LeaseKeeper:
                 wait_ms = min(interval_ms, 1000)
             else:
                 wait_ms = interval_ms
-            self._wake.wait(wait_ms / 1000)
+            # Counted from the start of the last pass: a pass that waited on a
+            # node that hangs does not push back the next renewal of the others.
+            elapsed_ms = (time.monotonic() - began) * 1000
+            self._wake.wait(max(0.0, wait_ms - elapsed_ms) / 1000)
             self._wake.clear()
+            began = time.monotonic()
             if not self._held:
                 continue
             try:
-                if self._owed:
-                    self.settle_owed()
                 if self._unseen:
                     from .worker_state import started_delivery_tags
 
@@ -384,7 +468,5 @@ class LeaseKeeper:
                 failures = 0
             except Exception as exc:
                 failures += 1
-                if failures == 1:
-                    logger.warning("celery_emq: lease renewal failed (%r); retrying", exc)
-                else:
-                    logger.exception("celery_emq: lease renewal failed again; retrying")
+                # Each failing node was named in a warning (renew_once).
+                logger.debug("celery_emq: lease renewal failed (%r); retrying", exc)

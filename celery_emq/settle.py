@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from .lease import Claim, delivery_tag, keeper
+from .nodes import Lanes
 from .scripts import Outcome
 
 if TYPE_CHECKING:
@@ -45,6 +46,10 @@ logger = logging.getLogger(__name__)
 
 #: Settles queued at which the batcher sends at once, whatever the delay.
 SETTLE_BATCH = 128
+
+#: How long a send waits for a server's answer before it goes on without it (the
+#: send ends on its own, within its socket timeout).
+SEND_BOUND_S = 1.0
 
 _ACK_OUTCOMES = {
     Outcome.LEASE_LOST: "the lease had lapsed; the job completed, so it was deleted from pending",
@@ -67,6 +72,7 @@ class SettleBatcher:
         #: When the queued settles must be sent (monotonic seconds), if any are.
         self._due: float | None = None
         self._thread: threading.Thread | None = None
+        self._lanes: Lanes[str] = Lanes("celery_emq-settle")
         #: The delay a worker's channels asked for (``settle_delay_ms``).
         self.delay_ms = 0
         #: Whether settles wait for company: set once the worker is ready.
@@ -139,78 +145,108 @@ class SettleBatcher:
                 self._send(list(acks.values()), list(starts.values()))
 
     def _send(self, acks: list[Claim], starts: list[Claim]) -> None:
-        by_store: dict[int, _StoreSend] = {}
+        """Send the settles of each server (each Cluster master) on its own lane, bounded.
+
+        A server that hangs delays only its own settles: the others' go
+        through. One whose lane is still busy with an earlier send gets none:
+        its acks are owed to the lease keeper (which acks them with its
+        renewals of that server) and its start records are not made. When
+        this returns, every ack was sent or is owed.
+        """
+        by_node: dict[tuple[int, str], _StoreSend] = {}
         for c in starts:
-            entry = by_store.setdefault(id(c.store), _StoreSend(c.store))
+            key = (id(c.store), c.store.node_of(c.queue))
+            entry = by_node.setdefault(key, _StoreSend(c.store))
             entry.starts.append((c, entry.batch.start(c.store.keys(c.queue), c.job_id, c.token)))
         by_queue: dict[tuple[int, str], list[Claim]] = {}
         for c in acks:
             by_queue.setdefault((id(c.store), c.queue), []).append(c)
         for (store_id, queue), claims in by_queue.items():
-            entry = by_store.setdefault(store_id, _StoreSend(claims[0].store))
+            store = claims[0].store
+            entry = by_node.setdefault((store_id, store.node_of(queue)), _StoreSend(store))
             pairs = [(c.job_id, c.token) for c in claims]
             entry.acks.append((queue, claims, entry.batch.ack(entry.store.keys(queue), pairs)))
-        for entry in by_store.values():
-            self.sends += 1
-            store = entry.store
-            confirm = None
-            if store.wait_replicas:
-                # One WAIT on the connection that carried this store's settles.
-                queue = entry.acks[0][0] if entry.acks else entry.starts[0][0].queue
-                confirm = partial(store.confirm_replicas, queue=queue)
+        # A lane per store and server (a Cluster's master).
+        entries = {f"{node}#{store_id}": e for (store_id, node), e in by_node.items()}
+        shares = {key: partial(self._send_one, e) for key, e in entries.items()}
+        bound_s = max(_bound_s(e.store) for e in entries.values())
+        for lane, share in self._lanes.run(shares, bound_s).items():
+            if share.skipped:
+                busy = f"{lane} is still busy with settles sent {share.busy_s:.1f} s ago"
+                self._undelivered(entries[lane], redis.TimeoutError(busy))
+            elif share.late:
+                # Still under way: its acks are owed now, so that none waits on
+                # this send alone (an ack that lands twice finds nothing the
+                # second time); its start records land when the send does.
+                late = redis.TimeoutError(f"{lane} did not answer within {bound_s:.1f} s")
+                for queue, claims, _ in entries[lane].acks:
+                    _owe(queue, claims, late)
+            elif share.error is not None:
+                logger.error("celery_emq: sending settles to %s failed: %r", lane, share.error)
+
+    def _undelivered(self, entry: _StoreSend, exc: Exception) -> None:
+        # Whatever failed (a RedisError, or a cluster client's own exception),
+        # these acks are owed, never dropped.
+        for queue, claims, _ in entry.acks:
+            _owe(queue, claims, exc)
+        for claim, _ in entry.starts:
+            _start_failed(claim, exc)
+
+    def _send_one(self, entry: _StoreSend) -> None:
+        """Send one server's settles in one round trip; owe the acks that failed."""
+        self.sends += 1
+        store = entry.store
+        confirm = None
+        if store.wait_replicas:
+            # One WAIT on the connection that carried this store's settles.
+            queue = entry.acks[0][0] if entry.acks else entry.starts[0][0].queue
+            confirm = partial(store.confirm_replicas, queue=queue)
+        try:
+            entry.batch.execute(confirm=confirm)
+        except Exception as exc:
+            self._undelivered(entry, exc)
+            return
+        for queue, claims, handle in entry.acks:
             try:
-                entry.batch.execute(confirm=confirm)
-            except Exception as exc:
-                # Whatever failed (a RedisError, or a cluster client's own
-                # exception), these acks are owed, never dropped.
-                for queue, claims, _ in entry.acks:
-                    _owe(queue, claims, exc)
-                for claim, _ in entry.starts:
-                    _start_failed(claim, exc)
+                outcomes = entry.batch.result(handle)
+            except redis.RedisError as exc:
+                _owe(queue, claims, exc)
                 continue
-            for queue, claims, handle in entry.acks:
-                try:
-                    outcomes = entry.batch.result(handle)
-                except redis.RedisError as exc:
-                    _owe(queue, claims, exc)
-                    continue
-                except Exception:
-                    logger.exception(
-                        "celery_emq: ack of %d job(s) in %s failed", len(claims), queue
-                    )
-                    continue
-                _log_ack_outcomes(queue, claims, outcomes)
-            if confirm is not None and (entry.batch.confirmed or 0) < store.wait_replicas:
+            except Exception:
+                logger.exception("celery_emq: ack of %d job(s) in %s failed", len(claims), queue)
+                continue
+            _log_ack_outcomes(queue, claims, outcomes)
+        if confirm is not None and (entry.batch.confirmed or 0) < store.wait_replicas:
+            logger.warning(
+                "celery_emq: %d settle(s) confirmed by %d of %d replica(s) within %d ms "
+                "(wait_replicas): after a failover their tasks may run again; nothing is lost",
+                len(entry.starts) + sum(len(claims) for _, claims, _ in entry.acks),
+                entry.batch.confirmed or 0,
+                store.wait_replicas,
+                store.wait_timeout_ms,
+            )
+        for claim, handle in entry.starts:
+            try:
+                outcome = entry.batch.result(handle)
+            except Exception as exc:
+                _start_failed(claim, exc)
+                continue
+            if outcome is Outcome.FENCED:
                 logger.warning(
-                    "celery_emq: %d settle(s) confirmed by %d of %d replica(s) within %d ms "
-                    "(wait_replicas): after a failover their tasks may run again; nothing is lost",
-                    len(entry.starts) + sum(len(claims) for _, claims, _ in entry.acks),
-                    entry.batch.confirmed or 0,
-                    store.wait_replicas,
-                    store.wait_timeout_ms,
+                    "celery_emq: start of %s in %s (claim %s) fenced: another claim "
+                    "holds the job now",
+                    claim.job_id,
+                    claim.queue,
+                    claim.token,
                 )
-            for claim, handle in entry.starts:
-                try:
-                    outcome = entry.batch.result(handle)
-                except Exception as exc:
-                    _start_failed(claim, exc)
-                    continue
-                if outcome is Outcome.FENCED:
-                    logger.warning(
-                        "celery_emq: start of %s in %s (claim %s) fenced: another claim "
-                        "holds the job now",
-                        claim.job_id,
-                        claim.queue,
-                        claim.token,
-                    )
-                elif outcome is not Outcome.OK:
-                    logger.debug(
-                        "celery_emq: start of %s in %s (claim %s) not recorded: %s",
-                        claim.job_id,
-                        claim.queue,
-                        claim.token,
-                        outcome.name,
-                    )
+            elif outcome is not Outcome.OK:
+                logger.debug(
+                    "celery_emq: start of %s in %s (claim %s) not recorded: %s",
+                    claim.job_id,
+                    claim.queue,
+                    claim.token,
+                    outcome.name,
+                )
 
     def _run(self) -> None:
         while True:
@@ -225,6 +261,13 @@ class SettleBatcher:
                 self.flush()
             except Exception:
                 logger.exception("celery_emq: sending queued settles failed")
+
+
+def _bound_s(store: JobStore) -> float:
+    """How long a send to one server is waited for: a second, or a ``WAIT``'s time and more."""
+    if store.wait_replicas:
+        return max(SEND_BOUND_S, store.wait_timeout_ms / 1000 + 0.5)
+    return SEND_BOUND_S
 
 
 class _StoreSend:

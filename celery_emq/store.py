@@ -68,6 +68,24 @@ class JobStore:
             k = self._keys[queue] = QueueKeys(self.prefix, queue)
         return k
 
+    def node_of(self, queue: str) -> str:
+        """Name the server holding ``queue``'s keys (``host:port``): what a fault takes down.
+
+        On a Cluster, the master serving the queue's slot as the client last
+        learnt it (``?`` if no node is known to serve it); else the one server.
+        """
+        locate = getattr(self.client, "get_node_from_key", None)
+        if locate is not None:
+            try:
+                return str(locate(self.keys(queue).active).name)
+            except Exception:
+                return "?"
+        pool = getattr(self.client, "connection_pool", None)
+        kwargs = getattr(pool, "connection_kwargs", {})
+        if kwargs.get("host"):
+            return f"{kwargs['host']}:{kwargs.get('port', 6379)}"
+        return str(getattr(pool, "service_name", None) or kwargs.get("path") or "redis")
+
     def enqueue(
         self,
         queue: str,

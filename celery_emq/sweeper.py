@@ -15,7 +15,7 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any
 
 from celery import states
@@ -24,6 +24,7 @@ from celery.backends.rpc import RPCBackend
 from . import lease
 from .errors import StalledJobError
 from .jobs import NEVER_STARTED, JobInfo, accepted_content, describe
+from .nodes import Lanes, Troubles
 from .options import EmqOptions
 from .scripts import Outcome, Swept
 from .signals import job_dead_lettered, job_recovered, job_stalled
@@ -387,6 +388,9 @@ class SweepThread:
         self._interval_s: float | None = None
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
+        self._lanes: Lanes[str] = Lanes("celery_emq-sweep")
+        self._expiry: Lanes[str] = Lanes("celery_emq-expire")
+        self._troubles = Troubles()
 
     def watch(self, sweeper: Sweeper, queue: str) -> None:
         """Start sweeping ``queue`` with ``sweeper`` (idempotent per store and queue)."""
@@ -408,37 +412,65 @@ class SweepThread:
                 del self._queues[key]
 
     def run_once(self, now_ms: int | None = None) -> list[SweepReport]:
-        """Sweep every watched queue once, then expire unused ``x-expires`` queues.
+        """Sweep every watched queue once, node by node; then start the expiry pass.
 
         The leases this process holds are renewed first if their renewal is
         overdue (see :meth:`LeaseKeeper.renew_if_overdue`): a process that was
         held up longer than a lease counts no stall against its own live claims.
-        If they cannot be renewed, the pass is skipped.
+        The queues of a node whose leases of this process could not be renewed
+        are skipped this pass.
+
+        Each node's queues are swept on that node's lane (see
+        :mod:`celery_emq.nodes`), all bounded by the sweep interval: a node
+        that hangs holds up only its own queues' sweeps, so every other
+        queue is swept on time (a late sweep would read as an outage and let
+        stalls off). The expiry pass (``x-expires`` queues: a registry on one
+        node, queues on any) runs on a lane of its own and is not waited for.
         """
         with self._lock:
             targets = list(self._queues.values())
         if not targets:
             return []
+        keeper = lease.keeper()
         try:
-            lease.keeper().renew_if_overdue(now_ms)
-        except Exception:
-            logger.exception(
-                "celery_emq: could not renew this process's leases; sweep skipped until next pass"
-            )
-            return []
-        reports = []
+            keeper.renew_if_overdue(now_ms)
+        except Exception as exc:
+            logger.warning("celery_emq: could not renew this process's leases (%r)", exc)
+        # Within two intervals a renewed lease has not lapsed (a lease is
+        # over two renewal intervals long); past that, sweeping could count
+        # a stall against this process's own claim.
+        unrenewed = keeper.overdue_nodes(intervals=2)
+        by_node: dict[str, list[tuple[Sweeper, str]]] = {}
         stores: dict[int, Sweeper] = {}
         for sweeper, queue in targets:
             stores.setdefault(id(sweeper.store), sweeper)
-            try:
-                reports.append(sweeper.sweep(queue, now_ms))
-            except Exception:
-                logger.exception("celery_emq: sweep of %s failed; retrying next pass", queue)
-        for sweeper in stores.values():
-            try:
-                sweeper.expire()
-            except Exception:
-                logger.exception("celery_emq: expiry pass failed; retrying next pass")
+            by_node.setdefault(sweeper.store.node_of(queue), []).append((sweeper, queue))
+        for node in sorted(unrenewed & set(by_node)):
+            self._troubles.report(
+                node,
+                "celery_emq: this process's leases on %s could not be renewed: "
+                "its queues are not swept until they are",
+                node,
+            )
+            del by_node[node]
+        shares = {node: partial(_sweep_all, items, now_ms) for node, items in by_node.items()}
+        reports: list[SweepReport] = []
+        interval_s = self._interval_s or 5.0
+        for node, share in self._lanes.run(shares, interval_s).items():
+            if share.done:
+                reports.extend(share.value or [])
+                self._troubles.over(node, "celery_emq: %s's queues swept again after %.1f s", node)
+            elif share.late and share.busy_s >= interval_s:
+                self._troubles.report(
+                    node,
+                    "celery_emq: the sweep of %s's queues has been running for %.1f s "
+                    "(the node does not answer?): they are swept again once it ends",
+                    node,
+                    share.busy_s,
+                )
+        self._expiry.run(
+            {str(key): partial(_expire, sweeper) for key, sweeper in stores.items()}, 0
+        )
         return reports
 
     def _run(self) -> None:
@@ -448,6 +480,24 @@ class SweepThread:
             if self._queues:
                 # No time given: the scripts read the Redis server's clock.
                 self.run_once()
+
+
+def _sweep_all(targets: list[tuple[Sweeper, str]], now_ms: int | None) -> list[SweepReport]:
+    """Sweep each of one node's queues; a queue whose sweep fails is tried next pass."""
+    reports = []
+    for sweeper, queue in targets:
+        try:
+            reports.append(sweeper.sweep(queue, now_ms))
+        except Exception:
+            logger.exception("celery_emq: sweep of %s failed; retrying next pass", queue)
+    return reports
+
+
+def _expire(sweeper: Sweeper) -> None:
+    try:
+        sweeper.expire()
+    except Exception:
+        logger.exception("celery_emq: expiry pass failed; retrying next pass")
 
 
 _sweep_thread: SweepThread | None = None

@@ -466,12 +466,16 @@ class Channel(ChannelCompat, kombu_redis.Channel):
         now = monotonic()
         if not woken or now - self._scanned_at >= self._scan_interval_s:
             self._scanned_at = now
-            for q in self.store.waiting(self.active_queues):
+            for q in self._waiting(self.active_queues):
                 if self._claim_and_deliver(q, held=0):
                     delivered = True
         if delivered:
             return True
         raise Empty()
+
+    def _waiting(self, queues: list[str]) -> list[str]:
+        """Those of ``queues`` that have jobs to claim (promoting due delayed jobs)."""
+        return self.store.waiting(queues)
 
     @property
     def _scan_interval_s(self) -> float:

@@ -142,10 +142,18 @@ class Node:
     With ``tls`` the port is a TLS port and the node has no plain one.
     """
 
-    def __init__(self, port: int, workdir: Path, tls: Certificates | None = None) -> None:
+    def __init__(
+        self,
+        port: int,
+        workdir: Path,
+        tls: Certificates | None = None,
+        config: tuple[str, ...] = (),
+    ) -> None:
         self.port = port
         self.dir = workdir
         self.tls = tls
+        #: More ``redis-server`` arguments (``--cluster-require-full-coverage no``).
+        self.config = config
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -175,6 +183,7 @@ class Node:
                 "",
                 "--appendonly",
                 "no",
+                *self.config,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -209,12 +218,14 @@ class Node:
 class Cluster:
     """Three masters with one replica each, on loopback (TLS only with ``tls=True``)."""
 
-    def __init__(self, masters: int = 3, replicas: int = 1, tls: bool = False) -> None:
+    def __init__(
+        self, masters: int = 3, replicas: int = 1, tls: bool = False, config: tuple[str, ...] = ()
+    ) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="emq-cluster-", dir="/tmp"))
         count = masters * (1 + replicas)
         self.replicas = replicas
         self.tls = Certificates(self.dir / "tls") if tls else None
-        self.nodes = [Node(p, self.dir / str(p), self.tls) for p in _free_ports(count)]
+        self.nodes = [Node(p, self.dir / str(p), self.tls, config) for p in _free_ports(count)]
 
     @property
     def ca(self) -> Path:
