@@ -34,6 +34,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import RedisClusterException
 
+from .retries import bound_cluster, cluster_retry
 from .transport import Channel
 
 __all__ = ["ClusterChannel"]
@@ -223,7 +224,9 @@ class ClusterChannel(Channel):
 
     def _new_store_client(self) -> Any:
         """A RedisCluster over the URL's seed nodes, for the store."""
-        return _cluster(socket_timeout=self.store_timeout_s, **self._cluster_kwargs())
+        return _cluster(
+            self.emq.command_retries, socket_timeout=self.store_timeout_s, **self._cluster_kwargs()
+        )
 
     def _wake_redis(self) -> RedisCluster:
         """The wakers' RedisCluster, for their blocking waits (a socket timeout past the wait).
@@ -236,7 +239,9 @@ class ClusterChannel(Channel):
                 raise redis.ConnectionError("the channel is closed")
             if self._wake_client is None:
                 self._wake_client = _cluster(
-                    socket_timeout=self._wait_s + 10, **self._cluster_kwargs()
+                    self.emq.command_retries,
+                    socket_timeout=self._wait_s + 10,
+                    **self._cluster_kwargs(),
                 )
             return self._wake_client
 
@@ -442,9 +447,12 @@ class ClusterChannel(Channel):
         self.store.client.close()
 
 
-def _cluster(**kwargs: Any) -> RedisCluster:
-    """A RedisCluster; no seed node answering is a connection error (kombu retries it)."""
+def _cluster(retries: int, **kwargs: Any) -> RedisCluster:
+    """A RedisCluster sending a command at most ``retries + 1`` times.
+
+    No seed node answering is a connection error (kombu retries it).
+    """
     try:
-        return RedisCluster(**kwargs)
+        return bound_cluster(RedisCluster(retry=cluster_retry(retries), **kwargs), retries)
     except RedisClusterException as exc:
         raise redis.ConnectionError(str(exc)) from exc

@@ -34,6 +34,9 @@ def test_global_keyprefix_goes_in_front() -> None:
         ({"claim_batch": 0}, "claim_batch"),
         ({"key_prefix": ""}, "key_prefix"),
         ({"key_prefix": "a{b}"}, "key_prefix"),
+        ({"command_retries": -1}, "command_retries"),
+        ({"command_retries": 11}, "command_retries"),
+        ({"command_retries": 1.5}, "command_retries"),
     ],
 )
 def test_invalid_option_is_named(opts: dict[str, object], name: str) -> None:
