@@ -10,7 +10,10 @@ may name the old master first. :class:`BoundedSentinel` differs in two ways:
   checked as redis-py checks it: a master, not down, seen by
   ``min_other_sentinels`` others) the one with the newest ``config-epoch``
   wins: each failover increments the epoch, so the newest names the latest
-  promotion.
+  promotion. For :data:`FULL_ROUND_S` after such a full round, the process
+  asks the sentinel whose answer won alone (a pool's watcher asks every
+  second), and makes a full round again if it does not answer with a master
+  it believes at that epoch or newer.
 - A sentinel that failed to answer (timeout, refused) is remembered, for the
   whole process and every client that lists it, as not answering: later
   discoveries skip it rather than wait for it again, while a thread of its own
@@ -38,7 +41,14 @@ _NOT_ANSWERING: dict[tuple[str, int], float] = {}
 #: Sentinels a background thread is asking now -> the process it runs in (a
 #: forked child has none of its parent's threads).
 _PROBING: dict[tuple[str, int], int] = {}
+#: (the sentinels listed, the master's name) -> when a full round was last
+#: made, the index of the sentinel whose answer won it, and its epoch.
+_WINNERS: dict[tuple[tuple[tuple[str, int], ...], str], tuple[float, int, int]] = {}
 _LOCK = threading.Lock()
+
+#: How long the sentinel whose answer won may be asked alone, before every
+#: sentinel is asked again.
+FULL_ROUND_S = 5.0
 
 
 def sentinel_kwargs(
@@ -81,28 +91,42 @@ class BoundedSentinel(Sentinel):
         Raises:
             MasterNotFoundError: no sentinel names a master it believes.
         """
+        key = (tuple(_address(c) for c in self.sentinels), service_name)
         named: list[tuple[int, int, tuple[str, int]]] = []
+        with _LOCK:
+            last = _WINNERS.get(key)
+            if last is not None and _address(self.sentinels[last[1]]) in _NOT_ANSWERING:
+                last = None
+        if last is not None and time.monotonic() - last[0] < FULL_ROUND_S:
+            # Within a full round's interval, the sentinel whose answer won
+            # last is asked alone: its epoch may only have grown since.
+            _at, order, epoch = last
+            self._ask(self.sentinels[order], service_name, order, named, [])
+            if named and named[0][0] >= epoch:
+                return named[0][2]
+            named.clear()
         errors: list[str] = []
         skipped = []
         heard = 0
         for order, client in enumerate(self.sentinels):
-            address = _address(client)
             with _LOCK:
-                silent = address in _NOT_ANSWERING
+                silent = _address(client) in _NOT_ANSWERING
             if silent:
-                skipped.append(client)
+                skipped.append((order, client))
                 self._probe(client)
                 continue
             heard += self._ask(client, service_name, order, named, errors)
         if not heard:
             # No other sentinel answers: those remembered silent are the last hope.
-            for client in skipped:
-                self._ask(client, service_name, len(self.sentinels), named, errors)
+            for order, client in skipped:
+                self._ask(client, service_name, order, named, errors)
         if not named:
             detail = f": {', '.join(errors)}" if errors else ""
             raise MasterNotFoundError(f"No master found for {service_name!r}{detail}")
         # The newest epoch wins; among equals, the sentinel listed first.
-        _epoch, _order, address = max(named, key=lambda n: (n[0], -n[1]))
+        epoch, order, address = max(named, key=lambda n: (n[0], -n[1]))
+        with _LOCK:
+            _WINNERS[key] = (time.monotonic(), order, epoch)
         return address
 
     def _ask(
@@ -150,5 +174,7 @@ class BoundedSentinel(Sentinel):
                     _PROBING.pop(address, None)
             with _LOCK:
                 _NOT_ANSWERING.pop(address, None)
+                # Heard again: the next discovery asks every sentinel.
+                _WINNERS.clear()
 
         threading.Thread(target=probe, name="emq-sentinel-probe", daemon=True).start()

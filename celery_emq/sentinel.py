@@ -6,7 +6,9 @@ The broker URL lists the sentinels
 names the master they monitor. kombu's ``sentinel://`` options keep their
 meaning: ``min_other_sentinels`` (a sentinel that knows fewer peers is not
 believed) and ``sentinel_kwargs`` (how to connect to the sentinels themselves,
-for instance their password).
+for instance their password, merged over the transport's own socket options).
+The sentinels are asked as :mod:`celery_emq.discovery` says: each once, the
+newest ``config-epoch`` wins, a hung one costs its timeout once.
 
 Every connection the transport opens is one of redis-py's
 ``SentinelManagedConnection``: it asks the sentinels for the master's address

@@ -17,6 +17,7 @@ import pytest
 import redis
 from redis.sentinel import MasterNotFoundError
 
+from celery_emq import discovery
 from celery_emq.discovery import BoundedSentinel, not_answering
 
 NAME = "m"
@@ -43,6 +44,8 @@ class StandIn:
             # A hung sentinel: the socket timeout runs out.
             time.sleep(self.hang_s)
             raise redis.TimeoutError("Timeout reading from socket")
+        if self.port is None:
+            return {}
         return {
             NAME: {
                 "ip": "127.0.0.1",
@@ -62,6 +65,7 @@ def sentinel(*stand_ins: StandIn) -> BoundedSentinel:
     return s
 
 
+@pytest.mark.usefixtures("every_round_full")
 def test_the_master_named_with_the_newest_epoch_wins_wherever_listed() -> None:
     # The first sentinel missed the failover (epoch 3 names the old master).
     stale, fresh, also = StandIn(7000, epoch=3), StandIn(7001, epoch=4), StandIn(7001, epoch=4)
@@ -70,6 +74,27 @@ def test_the_master_named_with_the_newest_epoch_wins_wherever_listed() -> None:
     assert (stale.asked, fresh.asked, also.asked) == (2, 2, 1)
 
 
+@pytest.fixture
+def every_round_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(discovery, "FULL_ROUND_S", 0.0)
+
+
+def test_between_full_rounds_the_winner_is_asked_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(discovery, "FULL_ROUND_S", 0.3)
+    stale, fresh = StandIn(7000, epoch=3), StandIn(7001, epoch=4)
+    for _ in range(5):
+        assert sentinel(stale, fresh).discover_master(NAME) == ("127.0.0.1", 7001)
+    assert (stale.asked, fresh.asked) == (1, 5)
+    time.sleep(0.3)
+    assert sentinel(stale, fresh).discover_master(NAME) == ("127.0.0.1", 7001)
+    assert (stale.asked, fresh.asked) == (2, 6)
+    # The winner names no master now: every sentinel is asked.
+    fresh.port = None
+    stale.epoch = 5
+    assert sentinel(stale, fresh).discover_master(NAME) == ("127.0.0.1", 7000)
+
+
+@pytest.mark.usefixtures("every_round_full")
 def test_a_hung_sentinel_costs_its_timeout_once_then_is_probed_aside() -> None:
     hung, good = StandIn(7000, fails=True, hang_s=0.5), StandIn(7001, epoch=1)
     first = sentinel(hung, good)
@@ -102,6 +127,7 @@ def test_a_hung_sentinel_costs_its_timeout_once_then_is_probed_aside() -> None:
     assert again.discover_master(NAME) == ("127.0.0.1", 7000)
 
 
+@pytest.mark.usefixtures("every_round_full")
 def test_sentinels_remembered_silent_are_asked_in_line_when_no_other_answers() -> None:
     silent, down = StandIn(7000, fails=True), StandIn(7001, fails=True)
     s = sentinel(silent, down)
