@@ -118,30 +118,52 @@ def _after(times: list[float], since: float) -> float | None:
     return round(min(times) - since, 2) if times else None
 
 
-@pytest.mark.parametrize("wait_replicas", [0, 1])
-def test_a_worker_consumes_again_after_a_failover(
-    topo: SentinelTopology, redis_url: str, prefix: str, tmp_path: Path, wait_replicas: int
-) -> None:
-    options = {"master_name": topo.master_name, "wait_replicas": wait_replicas}
+def _worker_and_client(
+    topo: SentinelTopology,
+    redis_url: str,
+    prefix: str,
+    tmp_path: Path,
+    options: dict[str, Any],
+    lease_ms: int,
+) -> tuple[Worker, Any]:
+    """A worker (``-c 2``) on the topology's sentinels, and a client app publishing to it."""
     env = {
         "EMQ_E2E_REDIS": topo.master_url(0),
         "EMQ_E2E_BROKER": topo.broker_url(0),
         "EMQ_E2E_BROKER_OPTIONS": json.dumps(options),
         "EMQ_E2E_LEDGER": redis_url,
         "EMQ_E2E_PREFIX": prefix,
-        "EMQ_E2E_LEASE_MS": str(LEASE_MS),
+        "EMQ_E2E_LEASE_MS": str(lease_ms),
         "EMQ_E2E_SWEEP_S": "1",
     }
-    ledger_client = redis.Redis.from_url(redis_url)
     worker = Worker(env, tmp_path / "worker.log", "w", "-c", "2")
     capp = client_app(
         topo.master_url(0),
         prefix,
-        LEASE_MS,
+        lease_ms,
         ledger=redis_url,
         broker=topo.broker_url(0),
         broker_options=options,
     )
+    return worker, capp
+
+
+def _runs(ledger_client: redis.Redis, prefix: str) -> list[tuple[int, float]]:
+    """The ledger: (task number, when it ran) for every run."""
+    out = []
+    for entry in ledger_client.lrange(prefix + "ledger", 0, -1):
+        i, at = entry.decode().split()
+        out.append((int(i), float(at)))
+    return out
+
+
+@pytest.mark.parametrize("wait_replicas", [0, 1])
+def test_a_worker_consumes_again_after_a_failover(
+    topo: SentinelTopology, redis_url: str, prefix: str, tmp_path: Path, wait_replicas: int
+) -> None:
+    options = {"master_name": topo.master_name, "wait_replicas": wait_replicas}
+    ledger_client = redis.Redis.from_url(redis_url)
+    worker, capp = _worker_and_client(topo, redis_url, prefix, tmp_path, options, LEASE_MS)
     try:
         worker.wait_ready()
         publisher = Publisher(capp)
@@ -168,11 +190,7 @@ def test_a_worker_consumes_again_after_a_failover(
         assert publisher.published.is_set(), "the publisher did not finish"
 
         def runs() -> list[tuple[int, float]]:
-            out = []
-            for entry in ledger_client.lrange(prefix + "ledger", 0, -1):
-                i, at = entry.decode().split()
-                out.append((int(i), float(at)))
-            return out
+            return _runs(ledger_client, prefix)
 
         # Every acknowledged task runs within a lease and a sweep of the end, or is lost.
         deadline = time.monotonic() + 60
@@ -248,33 +266,12 @@ def test_a_hung_first_sentinel_holds_up_no_failover(
     options: dict[str, Any] = {"master_name": topo.master_name}
     if sentinel_kwargs is not None:
         options["sentinel_kwargs"] = sentinel_kwargs
-    env = {
-        "EMQ_E2E_REDIS": topo.master_url(0),
-        "EMQ_E2E_BROKER": topo.broker_url(0),
-        "EMQ_E2E_BROKER_OPTIONS": json.dumps(options),
-        "EMQ_E2E_LEDGER": redis_url,
-        "EMQ_E2E_PREFIX": prefix,
-        "EMQ_E2E_LEASE_MS": str(lease_ms),
-        "EMQ_E2E_SWEEP_S": "1",
-    }
     ledger_client = redis.Redis.from_url(redis_url)
-    worker = Worker(env, tmp_path / "worker.log", "w", "-c", "2")
-    capp = client_app(
-        topo.master_url(0),
-        prefix,
-        lease_ms,
-        ledger=redis_url,
-        broker=topo.broker_url(0),
-        broker_options=options,
-    )
+    worker, capp = _worker_and_client(topo, redis_url, prefix, tmp_path, options, lease_ms)
     stop = threading.Event()
 
     def ran() -> list[tuple[int, float]]:
-        out = []
-        for entry in ledger_client.lrange(prefix + "ledger", 0, -1):
-            i, at = entry.decode().split()
-            out.append((int(i), float(at)))
-        return out
+        return _runs(ledger_client, prefix)
 
     def publish() -> None:
         # A task every 0.1 s; a publish that fails (the master is gone) is
