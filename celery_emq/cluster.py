@@ -34,7 +34,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import RedisClusterException
 
-from .retries import bound_cluster, cluster_retry
+from .retries import CLUSTER_RETRIES, bound_cluster, cluster_class, cluster_retry
 from .transport import Channel
 
 __all__ = ["ClusterChannel"]
@@ -448,11 +448,12 @@ class ClusterChannel(Channel):
 
 
 def _cluster(retries: int, **kwargs: Any) -> RedisCluster:
-    """A RedisCluster sending a command at most ``retries + 1`` times.
+    """A RedisCluster retrying as :class:`~celery_emq.retries.BoundedRedisCluster` says.
 
     No seed node answering is a connection error (kombu retries it).
     """
     try:
-        return bound_cluster(RedisCluster(retry=cluster_retry(retries), **kwargs), retries)
+        cluster = cluster_class(retries)(retry=cluster_retry(retries), **kwargs)
+        return bound_cluster(cluster, CLUSTER_RETRIES + retries)
     except RedisClusterException as exc:
         raise redis.ConnectionError(str(exc)) from exc

@@ -92,8 +92,10 @@ class EmqOptions:
             connection error or a timeout is sent again (at once, on a new
             connection) before the error is raised, by every client of the
             transport (the store's, kombu's, the Cluster's); 0 (default) sends
-            each once, so a call costs at most its socket timeout. The
-            sentinels are asked once each per discovery.
+            each once, so a call costs at most its socket timeout. A Cluster
+            also retries errors that cost no timeout (a refused connection,
+            ``CLUSTERDOWN``) ten times more. The sentinels are asked once each
+            per discovery.
     """
 
     lease_ms: int = 30_000

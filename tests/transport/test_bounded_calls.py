@@ -22,7 +22,7 @@ from redis.exceptions import RedisClusterException
 
 import celery_emq  # noqa: F401  (registers emq://)
 from celery_emq.discovery import BoundedSentinel, sentinel_kwargs
-from celery_emq.retries import connection_retry
+from celery_emq.retries import CLUSTER_RETRIES, connection_retry
 from tests.faults.servers import REDIS_SERVER, RedisServer
 from tests.topology.cluster_servers import Node, _free_ports
 
@@ -50,11 +50,15 @@ def retries_of(retry: Any) -> int:
     return int(get() if get else retry._retries)
 
 
-def retries_of_cluster(client: Any) -> int:
-    """How many times a RedisCluster sends a failed command again (6+: retry; 5.x: attempts)."""
+def retries_of_cluster(client: Any) -> tuple[int, bool, int]:
+    """A RedisCluster's retries (6+: retry; 5.x: attempts), whether timeouts are among
+    the errors retried, and its pipelines' retries."""
     by_retry = retries_of(client.retry)
     assert client.cluster_error_retry_attempts == by_retry
-    return by_retry
+    pipe = client.pipeline()
+    assert pipe.cluster_error_retry_attempts == retries_of(pipe.retry)
+    timeouts = redis.TimeoutError in type(client).ERRORS_ALLOW_RETRY
+    return by_retry, timeouts, retries_of(pipe.retry)
 
 
 @pytest.fixture
@@ -121,11 +125,18 @@ def cluster_url(nodes: list[Node]) -> str:
     return ";".join(f"emq+cluster://127.0.0.1:{node.port}" for node in nodes) + "/0"
 
 
-def hung_for(client: Any, proc: Any) -> float:
-    """SIGSTOP the server, send one command; return how long it took to fail."""
+def hung_for(client: Any, proc: Any, pipeline: bool = False) -> float:
+    """SIGSTOP the server, send one command (or a pipeline); return how long it took to fail."""
     proc.send_signal(signal.SIGSTOP)
     try:
         t0 = time.monotonic()
+        if pipeline:
+            with pytest.raises((redis.ConnectionError, redis.TimeoutError, RedisClusterException)):
+                with client.pipeline(transaction=False) as pipe:
+                    pipe.get("k")
+                    pipe.get("k2")
+                    pipe.execute()
+            return time.monotonic() - t0
         # A cluster that finds no node answering when it refreshes its slots
         # raises RedisClusterException (a connection error to the transport).
         with pytest.raises((redis.ConnectionError, redis.TimeoutError, RedisClusterException)):
@@ -163,7 +174,8 @@ def test_the_cluster_client_sends_a_command_once_by_default(cluster_nodes: list[
     try:
         channel: Any = conn.default_channel
         cluster = channel.store.client
-        assert retries_of_cluster(cluster) == 0
+        # Errors that cost no timeout ride a failover; a timeout is not retried.
+        assert retries_of_cluster(cluster) == (CLUSTER_RETRIES, False, 0)
         node = cluster.get_redis_connection(cluster.get_nodes()[0])
         assert retries_of_connection(node.connection_pool) == 0
         assert cluster.ping()
@@ -171,6 +183,10 @@ def test_the_cluster_client_sends_a_command_once_by_default(cluster_nodes: list[
         # table's refresh, which names the hung master again.
         took = hung_for(cluster, cluster_nodes[0].proc)
         assert STORE_TIMEOUT_S * 0.9 <= took < STORE_TIMEOUT_S + 0.9, took
+        # A pipeline is sent once; redis-py then refreshes the slot table,
+        # asking the hung node too (a timeout each time it asks it).
+        took = hung_for(cluster, cluster_nodes[0].proc, pipeline=True)
+        assert STORE_TIMEOUT_S * 0.9 <= took < 3 * STORE_TIMEOUT_S + 0.9, took
     finally:
         conn.release()
 
@@ -180,7 +196,11 @@ def test_the_cluster_client_retries_as_told(cluster_nodes: list[Node]) -> None:
         cluster_url(cluster_nodes), transport_options={"lease_ms": LEASE_MS, "command_retries": 2}
     )
     try:
-        assert retries_of_cluster(conn.default_channel.store.client) == 2
+        assert retries_of_cluster(conn.default_channel.store.client) == (
+            CLUSTER_RETRIES + 2,
+            True,
+            2,
+        )
     finally:
         conn.release()
 
