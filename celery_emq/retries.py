@@ -65,12 +65,14 @@ class BoundedRedisCluster(RedisCluster):
     once) is sent once, or ``command_retries + 1`` times, whatever failed.
     """
 
-    ERRORS_ALLOW_RETRY = tuple(e for e in RedisCluster.ERRORS_ALLOW_RETRY if e is not TimeoutError)
+    ERRORS_ALLOW_RETRY = tuple(  # type: ignore[assignment]
+        e for e in RedisCluster.ERRORS_ALLOW_RETRY if e is not TimeoutError
+    )
     #: ``command_retries``, set on the subclass made for it (see :func:`cluster_class`).
     command_retries = 0
 
     def pipeline(self, *args: Any, **kwargs: Any) -> Any:
-        pipe = super().pipeline(*args, **kwargs)
+        pipe = super().pipeline(*args, **kwargs)  # type: ignore[no-untyped-call]
         # redis-py 6+ counts a pipeline's attempts by its retry, 5.x by this.
         pipe.retry = Retry(NoBackoff(), self.command_retries)
         pipe.cluster_error_retry_attempts = self.command_retries
