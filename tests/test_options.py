@@ -34,9 +34,6 @@ def test_global_keyprefix_goes_in_front() -> None:
         ({"claim_batch": 0}, "claim_batch"),
         ({"key_prefix": ""}, "key_prefix"),
         ({"key_prefix": "a{b}"}, "key_prefix"),
-        ({"command_retries": -1}, "command_retries"),
-        ({"command_retries": 11}, "command_retries"),
-        ({"command_retries": 1.5}, "command_retries"),
     ],
 )
 def test_invalid_option_is_named(opts: dict[str, object], name: str) -> None:
@@ -75,3 +72,13 @@ def test_other_transports_options_and_far_names_pass_quietly(
             }
         )
     assert [r.getMessage() for r in caplog.records] == []
+
+
+@pytest.mark.parametrize("retries", [-1, 11, 1.5, True, "1"])
+def test_command_retries_out_of_range_is_named(retries: object) -> None:
+    with pytest.raises(InvalidOptionError) as info:
+        EmqOptions.from_transport_options({"command_retries": retries})
+    assert info.value.option == "command_retries"
+    assert "command_retries" in str(info.value)
+    assert EmqOptions.from_transport_options({}).command_retries == 0
+    assert EmqOptions.from_transport_options({"command_retries": 10}).command_retries == 10
