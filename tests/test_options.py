@@ -19,6 +19,16 @@ def test_renew_interval_follows_lease() -> None:
     assert EmqOptions.from_transport_options({"lease_ms": 3000}).renew_interval_ms == 1000
 
 
+@pytest.mark.parametrize("retries", [-1, 11, 1.5, True, "1"])
+def test_command_retries_out_of_range_is_named(retries: object) -> None:
+    with pytest.raises(InvalidOptionError) as info:
+        EmqOptions.from_transport_options({"command_retries": retries})
+    assert info.value.option == "command_retries"
+    assert "command_retries" in str(info.value)
+    assert EmqOptions.from_transport_options({}).command_retries == 0
+    assert EmqOptions.from_transport_options({"command_retries": 10}).command_retries == 10
+
+
 def test_global_keyprefix_goes_in_front() -> None:
     o = EmqOptions.from_transport_options({"global_keyprefix": "app1:", "key_prefix": "jobs"})
     assert o.key_prefix == "app1:jobs"
@@ -72,13 +82,3 @@ def test_other_transports_options_and_far_names_pass_quietly(
             }
         )
     assert [r.getMessage() for r in caplog.records] == []
-
-
-@pytest.mark.parametrize("retries", [-1, 11, 1.5, True, "1"])
-def test_command_retries_out_of_range_is_named(retries: object) -> None:
-    with pytest.raises(InvalidOptionError) as info:
-        EmqOptions.from_transport_options({"command_retries": retries})
-    assert info.value.option == "command_retries"
-    assert "command_retries" in str(info.value)
-    assert EmqOptions.from_transport_options({}).command_retries == 0
-    assert EmqOptions.from_transport_options({"command_retries": 10}).command_retries == 10
