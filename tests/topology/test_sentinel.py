@@ -327,9 +327,19 @@ def _timed_ping(topo: SentinelTopology, prefix: str, limit_s: float, **topts: An
         conn = connect(topo, prefix, lease_ms=3000, **topts)
         try:
             t0 = time.monotonic()
-            conn.default_channel.client.ping()
-            conn.default_channel.store.client.ping()
-            took.append(time.monotonic() - t0)
+            channel: Any = conn.default_channel
+            channel.client.ping()
+            channel.store.client.ping()
+            elapsed = time.monotonic() - t0
+            # Every sentinel client the channel made: the store's timeout, one
+            # attempt (a failure here leaves ``took`` empty: the test fails).
+            for sentinel in channel._sentinels:
+                for client in sentinel.sentinels:
+                    kwargs = client.connection_pool.connection_kwargs
+                    assert kwargs["socket_timeout"] == 1.0
+                    assert kwargs["retry_on_error"] == []
+                    assert client.connection_pool.make_connection().retry_on_error == []
+            took.append(elapsed)
         finally:
             conn.release()
 
