@@ -35,6 +35,7 @@ PAIRS = [
 
 TESTS = [
     "tests/transport/test_contract.py",
+    "tests/transport/test_bounded_calls.py",
     "tests/e2e/test_recovery.py",
     "tests/e2e/test_worker.py",
 ]

@@ -35,6 +35,7 @@ from redis.crc import key_slot
 from redis.exceptions import ClusterDownError, RedisClusterException
 
 from .nodes import Lanes, Troubles
+from .retries import CLUSTER_RETRIES, bound_cluster, cluster_class, cluster_retry
 from .transport import Channel
 
 __all__ = ["ClusterChannel"]
@@ -235,7 +236,9 @@ class ClusterChannel(Channel):
 
     def _new_store_client(self) -> Any:
         """A RedisCluster over the URL's seed nodes, for the store."""
-        return _cluster(socket_timeout=self.store_timeout_s, **self._cluster_kwargs())
+        return _cluster(
+            self.emq.command_retries, socket_timeout=self.store_timeout_s, **self._cluster_kwargs()
+        )
 
     def _wake_redis(self) -> RedisCluster:
         """The wakers' RedisCluster, for their blocking waits (a socket timeout past the wait).
@@ -248,7 +251,9 @@ class ClusterChannel(Channel):
                 raise redis.ConnectionError("the channel is closed")
             if self._wake_client is None:
                 self._wake_client = _cluster(
-                    socket_timeout=self._wait_s + 10, **self._cluster_kwargs()
+                    self.emq.command_retries,
+                    socket_timeout=self._wait_s + 10,
+                    **self._cluster_kwargs(),
                 )
             return self._wake_client
 
@@ -542,9 +547,13 @@ class ClusterChannel(Channel):
         self.store.client.close()
 
 
-def _cluster(**kwargs: Any) -> RedisCluster:
-    """A RedisCluster; no seed node answering is a connection error (kombu retries it)."""
+def _cluster(retries: int, **kwargs: Any) -> RedisCluster:
+    """A RedisCluster retrying as :class:`~celery_emq.retries.BoundedRedisCluster` says.
+
+    No seed node answering is a connection error (kombu retries it).
+    """
     try:
-        return RedisCluster(**kwargs)
+        cluster = cluster_class(retries)(retry=cluster_retry(retries), **kwargs)
+        return bound_cluster(cluster, CLUSTER_RETRIES + retries)
     except RedisClusterException as exc:
         raise redis.ConnectionError(str(exc)) from exc

@@ -99,6 +99,14 @@ class EmqOptions:
             :class:`~celery_emq.errors.ReplicasUnconfirmedError`; a settle
             fewer confirm is logged (its task may run again after a failover).
         wait_timeout_ms: How long one ``WAIT`` may block for those replicas.
+        command_retries: How many times a Redis command that failed on a
+            connection error or a timeout is sent again (at once, on a new
+            connection) before the error is raised, by every client of the
+            transport (the store's, kombu's, the Cluster's); 0 (default) sends
+            each once, so a call costs at most its socket timeout. A Cluster
+            also retries errors that cost no timeout (a refused connection,
+            ``CLUSTERDOWN``) ten times more. The sentinels are asked once each
+            per discovery.
     """
 
     lease_ms: int = 30_000
@@ -114,6 +122,7 @@ class EmqOptions:
     settle_delay_ms: int = 5
     wait_replicas: int = 0
     wait_timeout_ms: int = 1000
+    command_retries: int = 0
 
     @classmethod
     def from_transport_options(cls, topts: Mapping[str, Any]) -> EmqOptions:
@@ -187,4 +196,5 @@ class EmqOptions:
             wait_replicas=_int(topts, "wait_replicas", cls.wait_replicas, 0, 100),
             # WAIT 0 would block for ever: a bound is required.
             wait_timeout_ms=_int(topts, "wait_timeout_ms", cls.wait_timeout_ms, 1, 60_000),
+            command_retries=_int(topts, "command_retries", cls.command_retries, 0, 10),
         )

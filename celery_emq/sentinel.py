@@ -6,7 +6,9 @@ The broker URL lists the sentinels
 names the master they monitor. kombu's ``sentinel://`` options keep their
 meaning: ``min_other_sentinels`` (a sentinel that knows fewer peers is not
 believed) and ``sentinel_kwargs`` (how to connect to the sentinels themselves,
-for instance their password).
+for instance their password, merged over the transport's own socket options).
+The sentinels are asked as :mod:`celery_emq.discovery` says: each once, the
+newest ``config-epoch`` wins, a hung one costs its timeout once.
 
 Every connection the transport opens is one of redis-py's
 ``SentinelManagedConnection``: it asks the sentinels for the master's address
@@ -41,6 +43,7 @@ import redis
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from ._compat import sentinel_connection_classes
+from .discovery import BoundedSentinel, sentinel_kwargs
 from .errors import InvalidOptionError
 from .topology import BrokerTarget
 from .transport import Channel
@@ -171,10 +174,10 @@ class SentinelChannel(Channel):
     def _master_pool(self, params: dict[str, Any]) -> Any:
         """A connection pool to the master named ``master_name``, found through the sentinels."""
         params = {k: v for k, v in params.items() if k not in ("host", "port")}
-        sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        sentinel = BoundedSentinel(  # type: ignore[no-untyped-call]
             list(self.target.nodes),
             min_other_sentinels=int(self.min_other_sentinels or 0),
-            sentinel_kwargs=self.sentinel_kwargs,
+            sentinel_kwargs=sentinel_kwargs(params, self.store_timeout_s, self.sentinel_kwargs),
             **params,
         )
         self._sentinels.append(sentinel)

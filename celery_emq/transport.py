@@ -31,6 +31,7 @@ from .errors import BrokerFullError, InvalidBrokerURLError
 from .flower import register_if_loaded as register_with_flower_if_loaded
 from .lease import keeper
 from .options import EmqOptions
+from .retries import connection_retry
 from .scripts import UNSET, Claimed, Outcome, Unset
 from .server import check_server
 from .settle import batcher
@@ -216,6 +217,12 @@ class Channel(ChannelCompat, kombu_redis.Channel):
                 self.emq.wait_timeout_ms,
             )
         return self._store
+
+    def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
+        """kombu's connection parameters, with the retry policy of ``command_retries``."""
+        params = super()._connparams(asynchronous)
+        params.update(connection_retry(self.emq.command_retries))
+        return params
 
     def _new_store_client(self) -> Any:
         """A redis-py client for the store, on a pool of the channel's own."""

@@ -39,6 +39,16 @@ def test_renew_interval_follows_lease() -> None:
     assert EmqOptions.from_transport_options({"lease_ms": 3000}).renew_interval_ms == 1000
 
 
+@pytest.mark.parametrize("retries", [-1, 11, 1.5, True, "1"])
+def test_command_retries_out_of_range_is_named(retries: object) -> None:
+    with pytest.raises(InvalidOptionError) as info:
+        EmqOptions.from_transport_options({"command_retries": retries})
+    assert info.value.option == "command_retries"
+    assert "command_retries" in str(info.value)
+    assert EmqOptions.from_transport_options({}).command_retries == 0
+    assert EmqOptions.from_transport_options({"command_retries": 10}).command_retries == 10
+
+
 def test_global_keyprefix_goes_in_front() -> None:
     o = EmqOptions.from_transport_options({"global_keyprefix": "app1:", "key_prefix": "jobs"})
     assert o.key_prefix == "app1:jobs"

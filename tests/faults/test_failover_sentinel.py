@@ -118,30 +118,52 @@ def _after(times: list[float], since: float) -> float | None:
     return round(min(times) - since, 2) if times else None
 
 
-@pytest.mark.parametrize("wait_replicas", [0, 1])
-def test_a_worker_consumes_again_after_a_failover(
-    topo: SentinelTopology, redis_url: str, prefix: str, tmp_path: Path, wait_replicas: int
-) -> None:
-    options = {"master_name": topo.master_name, "wait_replicas": wait_replicas}
+def _worker_and_client(
+    topo: SentinelTopology,
+    redis_url: str,
+    prefix: str,
+    tmp_path: Path,
+    options: dict[str, Any],
+    lease_ms: int,
+) -> tuple[Worker, Any]:
+    """A worker (``-c 2``) on the topology's sentinels, and a client app publishing to it."""
     env = {
         "EMQ_E2E_REDIS": topo.master_url(0),
         "EMQ_E2E_BROKER": topo.broker_url(0),
         "EMQ_E2E_BROKER_OPTIONS": json.dumps(options),
         "EMQ_E2E_LEDGER": redis_url,
         "EMQ_E2E_PREFIX": prefix,
-        "EMQ_E2E_LEASE_MS": str(LEASE_MS),
+        "EMQ_E2E_LEASE_MS": str(lease_ms),
         "EMQ_E2E_SWEEP_S": "1",
     }
-    ledger_client = redis.Redis.from_url(redis_url)
     worker = Worker(env, tmp_path / "worker.log", "w", "-c", "2")
     capp = client_app(
         topo.master_url(0),
         prefix,
-        LEASE_MS,
+        lease_ms,
         ledger=redis_url,
         broker=topo.broker_url(0),
         broker_options=options,
     )
+    return worker, capp
+
+
+def _runs(ledger_client: redis.Redis, prefix: str) -> list[tuple[int, float]]:
+    """The ledger: (task number, when it ran) for every run."""
+    out = []
+    for entry in ledger_client.lrange(prefix + "ledger", 0, -1):
+        i, at = entry.decode().split()
+        out.append((int(i), float(at)))
+    return out
+
+
+@pytest.mark.parametrize("wait_replicas", [0, 1])
+def test_a_worker_consumes_again_after_a_failover(
+    topo: SentinelTopology, redis_url: str, prefix: str, tmp_path: Path, wait_replicas: int
+) -> None:
+    options = {"master_name": topo.master_name, "wait_replicas": wait_replicas}
+    ledger_client = redis.Redis.from_url(redis_url)
+    worker, capp = _worker_and_client(topo, redis_url, prefix, tmp_path, options, LEASE_MS)
     try:
         worker.wait_ready()
         publisher = Publisher(capp)
@@ -168,11 +190,7 @@ def test_a_worker_consumes_again_after_a_failover(
         assert publisher.published.is_set(), "the publisher did not finish"
 
         def runs() -> list[tuple[int, float]]:
-            out = []
-            for entry in ledger_client.lrange(prefix + "ledger", 0, -1):
-                i, at = entry.decode().split()
-                out.append((int(i), float(at)))
-            return out
+            return _runs(ledger_client, prefix)
 
         # Every acknowledged task runs within a lease and a sweep of the end, or is lost.
         deadline = time.monotonic() + 60
@@ -220,6 +238,76 @@ def test_a_worker_consumes_again_after_a_failover(
         if wait_replicas:
             assert lost == [], figures
     finally:
+        capp.close()
+        worker.kill()
+        ledger_client.close()
+
+
+#: The longest a worker may take to consume again after a promotion with the
+#: first-listed sentinel hung (docs/deployment.md).
+HUNG_SENTINEL_GAP_S = 15
+
+
+@pytest.mark.parametrize("sentinel_kwargs", [None, {"socket_keepalive": True}])
+def test_a_hung_first_sentinel_holds_up_no_failover(
+    topo: SentinelTopology,
+    redis_url: str,
+    prefix: str,
+    tmp_path: Path,
+    sentinel_kwargs: dict[str, Any] | None,
+) -> None:
+    """The sentinel listed first hangs (SIGSTOP), then the master is killed.
+
+    The worker asks the two others, waits on the hung one at most its socket
+    timeout once, and consumes again from the promoted replica within
+    HUNG_SENTINEL_GAP_S; a user's ``sentinel_kwargs`` keep the timeouts.
+    """
+    lease_ms = 3000
+    options: dict[str, Any] = {"master_name": topo.master_name}
+    if sentinel_kwargs is not None:
+        options["sentinel_kwargs"] = sentinel_kwargs
+    ledger_client = redis.Redis.from_url(redis_url)
+    worker, capp = _worker_and_client(topo, redis_url, prefix, tmp_path, options, lease_ms)
+    stop = threading.Event()
+
+    def ran() -> list[tuple[int, float]]:
+        return _runs(ledger_client, prefix)
+
+    def publish() -> None:
+        # A task every 0.1 s; a publish that fails (the master is gone) is
+        # dropped: the figure is when the worker runs tasks again.
+        i = 0
+        while not stop.is_set():
+            try:
+                capp.send_task("tests.e2e.app.ledger", args=(i,), task_id=f"t{i}")
+            except (OperationalError, redis.RedisError, OSError):
+                pass
+            i += 1
+            stop.wait(0.1)
+
+    publisher = threading.Thread(target=publish, daemon=True)
+    try:
+        worker.wait_ready()
+        publisher.start()
+        wait_for(lambda: len(ran()) >= 5, 30)
+        topo.sentinels[0].pause()
+        old = topo.kill_master()
+        promotion: dict[str, float] = {}
+        _promotion_watch(topo, old, promotion)
+        assert "promoted_at" in promotion, "no replica was promoted"
+        promoted_at = promotion["promoted_at"]
+        deadline = time.monotonic() + HUNG_SENTINEL_GAP_S + 5
+        after: list[float] = []
+        while time.monotonic() < deadline and not after:
+            after = [at for _, at in ran() if at > promoted_at]
+            time.sleep(0.1)
+        gap_s = round(min(after) - promoted_at, 2) if after else None
+        print(f"HUNG_SENTINEL {json.dumps({'kwargs': sentinel_kwargs, 'gap_s': gap_s})}")
+        assert gap_s is not None and gap_s <= HUNG_SENTINEL_GAP_S, (gap_s, worker.text()[-3000:])
+    finally:
+        stop.set()
+        publisher.join(5)
+        topo.sentinels[0].resume()
         capp.close()
         worker.kill()
         ledger_client.close()

@@ -60,9 +60,22 @@ class Sentinel:
             )
         )
         self.proc: subprocess.Popen[bytes] | None = None
+        #: SIGSTOPped by :meth:`pause` (the topology's own queries skip it).
+        self.paused = False
 
     def client(self, **kwargs: Any) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, **kwargs)
+
+    def pause(self) -> None:
+        """SIGSTOP the sentinel: it accepts connections and answers nothing."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+        self.paused = True
+
+    def resume(self) -> None:
+        if self.proc is not None and self.paused:
+            self.proc.send_signal(signal.SIGCONT)
+        self.paused = False
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
@@ -77,6 +90,7 @@ class Sentinel:
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            self.resume()
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(20)
 
@@ -127,8 +141,10 @@ class SentinelTopology:
         return f"redis://127.0.0.1:{self.master.port}/{db}"
 
     def master_address(self) -> tuple[str, int] | None:
-        """The master's address as the first sentinel that answers names it."""
+        """The master's address as the first sentinel that answers names it (none paused)."""
         for s in self.sentinels:
+            if s.paused:
+                continue
             c = s.client(socket_timeout=1, decode_responses=True)
             try:
                 addr = c.execute_command("SENTINEL", "get-master-addr-by-name", self.master_name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -316,3 +317,56 @@ def test_sentinels_that_do_not_answer_hold_up_no_command(
         assert store.size("q") == n + 1
     finally:
         conn.release()
+
+
+def _timed_ping(topo: SentinelTopology, prefix: str, limit_s: float, **topts: Any) -> float:
+    """Connect anew and PING the master; return how long it took (at most ``limit_s``)."""
+    took: list[float] = []
+
+    def run() -> None:
+        conn = connect(topo, prefix, lease_ms=3000, **topts)
+        try:
+            t0 = time.monotonic()
+            channel: Any = conn.default_channel
+            channel.client.ping()
+            channel.store.client.ping()
+            elapsed = time.monotonic() - t0
+            # Every sentinel client the channel made: the store's timeout, one
+            # attempt (a failure here leaves ``took`` empty: the test fails).
+            for sentinel in channel._sentinels:
+                for client in sentinel.sentinels:
+                    kwargs = client.connection_pool.connection_kwargs
+                    assert kwargs["socket_timeout"] == 1.0
+                    assert kwargs["retry_on_error"] == []
+                    assert client.connection_pool.make_connection().retry_on_error == []
+            took.append(elapsed)
+        finally:
+            conn.release()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(limit_s)
+    assert took, f"no PING answered within {limit_s} s"
+    return took[0]
+
+
+@pytest.mark.parametrize("sentinel_kwargs", [None, {"socket_keepalive": True}])
+def test_a_hung_first_sentinel_costs_a_connection_its_timeout_once(
+    own_sentinel_topology: SentinelTopology, prefix: str, sentinel_kwargs: Any
+) -> None:
+    """The sentinel listed first hangs: connecting asks the others, and waits on it once."""
+    topo = own_sentinel_topology
+    hung = topo.sentinels[0]
+    assert hung.proc is not None
+    topts = {"sentinel_kwargs": sentinel_kwargs} if sentinel_kwargs else {}
+    hung.proc.send_signal(signal.SIGSTOP)
+    try:
+        # The store's socket timeout (one renewal interval of a 3 s lease, 1 s)
+        # bounds the sentinels' too: a user's sentinel_kwargs keep it.
+        first = _timed_ping(topo, prefix, 8, **topts)
+        again = _timed_ping(topo, prefix, 8, **topts)
+    finally:
+        hung.proc.send_signal(signal.SIGCONT)
+    assert first < 2.5, first
+    # Every later connection (a reconnect) skips the sentinel found silent.
+    assert again < 0.5, again
