@@ -112,7 +112,7 @@ def test_a_rejected_jobs_time_reads_as_a_date(
     store.bury(
         "celery",
         job.id,
-        job.deliveries,
+        job.token,
         "rejected",
         "rejected without requeue",
         now_ms=1_767_323_045_000,
