@@ -24,6 +24,7 @@ def test_batched_tasks_each_run_once(
 ) -> None:
     store = JobStore(client, prefix + "emq", 30000)
     n = 600
+    empty = {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
     with capp.producer_or_acquire() as producer:
         with producer.batch(max_size=250):
             for i in range(n):
