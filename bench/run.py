@@ -36,7 +36,7 @@ from bench import figures, scaling
 from bench._common import ROOT, private_redis
 from bench.figures import EMQ, STOCK, Target, median
 
-FIGURES = ("drain", "latency", "held", "delayed", "roundtrips", "idle", "scaling")
+FIGURES = ("drain", "publish", "latency", "held", "delayed", "roundtrips", "idle", "scaling")
 #: Pools of the drain figure: (pool, concurrency).
 POOLS = (("prefork", 2), ("threads", 4), ("solo", 1))
 
@@ -150,6 +150,14 @@ def main(argv: list[str] | None = None) -> int:
                             args.rounds,
                         )
                     )
+        if "publish" in chosen:
+            comparisons.append(
+                (
+                    "publish",
+                    _bind(figures.publish_round, target, n=args.tasks, timeout_s=args.timeout),
+                    args.rounds,
+                )
+            )
         if "latency" in chosen:
             comparisons.append(
                 (
@@ -439,6 +447,12 @@ def table_rows(
                 rows.append(
                     row(name.replace(":", "_"), label, "tasks/s", "higher", name, "drain_per_s")
                 )
+    if "publish" in rounds:
+        for field, label in (
+            ("publish_single_per_s", "publish rate, noop tasks one by one"),
+            ("publish_batched_per_s", "publish rate, noop tasks inside Producer.batch()"),
+        ):
+            rows.append(row(field, label, "tasks/s", "higher", "publish", field))
     if "latency" in rounds:
         pace = f"{args.latency_rate:g}/s for {args.latency_seconds:g} s"
         rows.append(
