@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         comparisons: list[tuple[str, Callable[[str], dict[str, Any]], int]] = []
         if "drain" in chosen:
             for pool, conc in POOLS:
+                if pool not in args.pools.split(","):
+                    continue
                 for acks_late in (False, True):
                     name = f"drain:{pool}:{int(acks_late)}"
                     comparisons.append(
@@ -342,7 +344,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--timeout", type=float, default=300, help="bound on each wait (s)")
     ap.add_argument("--rounds", type=int, help="rounds of each comparison (3)")
-    ap.add_argument("--tasks", type=int, help="tasks per drain round (2000)")
+    ap.add_argument("--tasks", type=int, help="tasks per drain and publish round (2000)")
+    ap.add_argument(
+        "--pools",
+        default=",".join(pool for pool, _ in POOLS),
+        help="pools of the drain figure (prefork,threads,solo)",
+    )
     ap.add_argument("--latency-rate", type=float, help="paced load, tasks/s (200)")
     ap.add_argument("--latency-seconds", type=float, help="paced load duration (10)")
     ap.add_argument("--held-tasks", type=int, help="tasks a worker holds (1000)")
@@ -442,6 +449,8 @@ def table_rows(
         for pool, conc in POOLS:
             for acks_late in (False, True):
                 name = f"drain:{pool}:{int(acks_late)}"
+                if name not in rounds:
+                    continue
                 label = f"drain, {pool}" + (f" -c {conc}" if pool != "solo" else "")
                 label += ", acks_late" if acks_late else ""
                 rows.append(
