@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,28 +15,13 @@ from celery_emq.scripts import Outcome, script_source
 from celery_emq.store import JobStore
 from tests.conftest import CLUSTER
 from tests.faults.servers import RedisServer
+from tests.transport.conftest import ConnFactory
 
 BatchPublishError = pytest.importorskip("kombu.exceptions").__dict__.get("BatchPublishError")
 pytestmark = pytest.mark.skipif(
     BatchPublishError is None or not hasattr(Producer, "batch"),
     reason="kombu before 5.7 has no Producer.batch()",
 )
-
-ConnFactory = Callable[..., Connection]
-
-
-@pytest.fixture
-def connect(broker_url: str, prefix: str) -> Iterator[ConnFactory]:
-    opened: list[Connection] = []
-
-    def factory(url: str = broker_url, **topts: Any) -> Connection:
-        conn = Connection(url, transport_options={"global_keyprefix": prefix, **topts})
-        opened.append(conn)
-        return conn
-
-    yield factory
-    for conn in opened:
-        conn.release()
 
 
 @pytest.fixture
