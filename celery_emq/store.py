@@ -9,7 +9,6 @@ the time instead, which is how tests move it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 from .codec import pack, unpack
@@ -140,7 +139,11 @@ class JobStore:
         now_ms: int | None = None,
     ) -> int:
         """Queue :meth:`enqueue_many` on ``batch``; its result is an outcome per job."""
-        packed = [replace(job, payload=pack(job.payload)) for job in jobs]
+        # Built directly: dataclasses.replace costs several times as much.
+        packed = [
+            NewJob(j.id, pack(j.payload), j.priority, j.max_stalled, j.group, j.eta_ms, j.task_id)
+            for j in jobs
+        ]
         return batch.enqueue_many(self.keys(queue), packed, now_ms, ttl_ms)
 
     def confirm_replicas(self, client: Any, queue: str | None = None) -> None:
