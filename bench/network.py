@@ -90,7 +90,8 @@ def main() -> int:
                 ping = measured_rtt_ms(server_port)
                 saved = run_through(server_port, args, here)
             runs.append({"added_rtt_ms": rtt, "ping_ms": ping, "table": saved["table"]})
-    (out / "network.json").write_text(json.dumps(runs, indent=2))
+            # After each run, so an interrupted one keeps what it measured.
+            (out / "network.json").write_text(json.dumps(runs, indent=2))
     print(render(runs))
     return 0
 
