@@ -20,6 +20,7 @@ from .errors import (
     ReplicasUnconfirmedError,
     ScriptContractError,
     StalledJobError,
+    UnknownJobError,
 )
 from .morgue import DeadJob, Morgue
 from .options import EmqOptions
@@ -36,6 +37,7 @@ __all__ = [
     "ReplicasUnconfirmedError",
     "ScriptContractError",
     "StalledJobError",
+    "UnknownJobError",
     "schedule_sweep",
 ]
 

@@ -7,9 +7,9 @@ is), so it takes ``-A app`` and the app's broker settings::
     celery -A proj emq sweep [--queue Q]... [--json]
     celery -A proj emq reap [--queue Q]... [--json]
     celery -A proj emq dead ls [--queue Q] [--task T] [--reason R] [--since S] [--until U]
-    celery -A proj emq dead show JOB_ID [--json]
-    celery -A proj emq dead retry (JOB_ID... | --all | filters) [--rate N]
-    celery -A proj emq dead purge (JOB_ID... | --all | filters | --older-than S)
+    celery -A proj emq dead show ID... [--json]
+    celery -A proj emq dead retry (ID... | --all | filters) [--rate N] [-f] [--dry-run]
+    celery -A proj emq dead purge (ID... | --all | filters | --older-than S) [-f] [--dry-run]
     celery -A proj emq migrate --from redis://host/db [--queue Q]... [--unacked] [--dry-run]
     celery -A proj emq exporter --port N [--addr 127.0.0.1]
 
@@ -31,7 +31,7 @@ import click
 
 from ._format import age as _age
 from ._format import when as _when
-from .errors import EmqError
+from .errors import EmqError, UnknownJobError
 from .jobs import accepted_content
 from .morgue import REASONS, DeadJob, Morgue
 from .options import EmqOptions
@@ -313,42 +313,50 @@ def dead_ls(ctx: click.Context, /, limit: int | None, as_json: bool, **filters: 
     _emit({"jobs": [j.as_dict() for j in jobs]}, as_json, lambda: _dead_rows(jobs))
 
 
+def _show_text(job: DeadJob) -> str:
+    lines = [
+        f"job        {job.id}",
+        f"queue      {job.queue}",
+        f"task       {job.task_name} [{job.task_id}]",
+        f"args       {job.args!r}",
+        f"kwargs     {job.kwargs!r}",
+        f"group      {job.group or '-'}",
+        f"reason     {job.reason} ({job.last_error})",
+        f"error      {job.error}",
+        f"stalls     {job.stalled}   deliveries {job.deliveries}",
+        f"died       {_when(job.died_ms)} UTC",
+        "history:",
+    ]
+    lines += [
+        f"  {_when(h.get('at', 0))}  stall {h.get('stalled')}  {h.get('reason')}  "
+        f"owner {h.get('owner') or '-'}"
+        for h in job.history
+    ] or ["  (none)"]
+    if job.decode_error:
+        lines.append(f"decode error: {job.decode_error}")
+    return "\n".join(lines)
+
+
 @dead.command("show")
-@click.argument("job_id", metavar="ID")
-@click.option("--queue", help="The job's queue (default: search every queue).")
+@click.argument("job_ids", metavar="ID...", nargs=-1, required=True)
+@click.option("--queue", help="The jobs' queue (default: search every queue).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
-def dead_show(ctx: click.Context, job_id: str, queue: str | None, as_json: bool) -> None:
-    """Show one dead job (by job id or Celery task id): task, error, stall history."""
+def dead_show(
+    ctx: click.Context, job_ids: tuple[str, ...], queue: str | None, as_json: bool
+) -> None:
+    """Show dead jobs (by job id or Celery task id): task, error, stall history.
+
+    Every id must name a dead job, or nothing is shown and the command fails.
+    ``--json`` prints one object for one id, a list of them for several.
+    """
     with _opened(ctx) as (store, _options, _app):
-        job = Morgue(store, accepted_content(_app)).show(job_id, queue)
-    if job is None:
-        raise click.ClickException(_not_found([job_id], queue))
-
-    def human() -> str:
-        lines = [
-            f"job        {job.id}",
-            f"queue      {job.queue}",
-            f"task       {job.task_name} [{job.task_id}]",
-            f"args       {job.args!r}",
-            f"kwargs     {job.kwargs!r}",
-            f"group      {job.group or '-'}",
-            f"reason     {job.reason} ({job.last_error})",
-            f"error      {job.error}",
-            f"stalls     {job.stalled}   deliveries {job.deliveries}",
-            f"died       {_when(job.died_ms)} UTC",
-            "history:",
-        ]
-        lines += [
-            f"  {_when(h.get('at', 0))}  stall {h.get('stalled')}  {h.get('reason')}  "
-            f"owner {h.get('owner') or '-'}"
-            for h in job.history
-        ] or ["  (none)"]
-        if job.decode_error:
-            lines.append(f"decode error: {job.decode_error}")
-        return "\n".join(lines)
-
-    _emit(job.as_dict(), as_json, human)
+        try:
+            jobs = Morgue(store, accepted_content(_app)).select(list(job_ids), queue=queue)
+        except UnknownJobError as exc:
+            raise click.ClickException(_not_found(exc.missing, queue)) from None
+    data: Any = jobs[0].as_dict() if len(job_ids) == 1 else [j.as_dict() for j in jobs]
+    _emit(data, as_json, lambda: "\n\n".join(_show_text(j) for j in jobs))
 
 
 def _not_found(idents: Sequence[str], queue: str | None) -> str:
@@ -361,16 +369,97 @@ def _selected(job_ids: Sequence[str], all_: bool, filters: dict[str, Any]) -> di
     args = _filter_args(filters)
     chosen = any(v is not None for k, v in args.items() if k != "queue")
     if not job_ids and not all_ and not chosen:
-        raise click.ClickException("name job or task ids, or pass --all or a filter")
+        where = f" of queue {args['queue']!r}" if args["queue"] else ""
+        raise click.ClickException(
+            f"name job or task ids, give a filter, or pass --all for every dead job{where}"
+        )
     if job_ids and (all_ or chosen):
         raise click.ClickException("give job or task ids or --all/filters, not both")
     return args
 
 
+def _interactive() -> bool:
+    """Whether a person is at the keyboard (stdin and stdout are a terminal)."""
+    return sys.stdin.isatty() and sys.stdout.isatty()
+
+
+def _bulk(verb: str, morgue: Morgue, args: dict[str, Any], all_: bool, force: bool) -> None:
+    """On a terminal, ask before acting on ``--all`` or filters (``-f`` does not ask)."""
+    if force or not _interactive():
+        return
+    n = len(morgue.select(all=all_, **args))
+    where = f"queue {args['queue']!r}" if args["queue"] else "every queue"
+    click.confirm(f"{verb} {n} dead job(s) of {where}?", abort=True)
+
+
+def _act(
+    ctx: click.Context,
+    verb: str,
+    act: Callable[[Morgue, list[str] | None, dict[str, Any]], Any],
+    job_ids: Sequence[str],
+    all_: bool,
+    force: bool,
+    dry_run: bool,
+    as_json: bool,
+    **filters: Any,
+) -> None:
+    """What ``dead retry`` and ``dead purge`` share: select, check, confirm, act, report."""
+    args = _selected(job_ids, all_, filters)
+    ids = list(job_ids) if job_ids else None
+    with _opened(ctx) as (store, _options, app):
+        morgue = Morgue(store, accepted_content(app))
+        args = _on_server_clock(args, store)
+        kwargs = dict(args) if ids is None else {"queue": args["queue"]}
+        if ids is None:
+            kwargs["all"] = all_
+        try:
+            if dry_run:
+                jobs = morgue.select(ids, **kwargs)
+                done: Any = [j.id for j in jobs]
+            else:
+                if ids is None:
+                    _bulk(verb, morgue, args, all_, force)
+                done = act(morgue, ids, kwargs)
+        except UnknownJobError as exc:
+            if as_json:
+                key = "jobs" if dry_run else {"retry": "retried", "purge": "purged"}[verb]
+                empty: Any = 0 if key == "purged" else []
+                click.echo(json.dumps({key: empty, "missing": exc.missing, **_dry(dry_run)}))
+            raise click.ClickException(str(exc)) from None
+    if dry_run:
+        _emit(
+            {"dry_run": True, "jobs": done, "missing": []},
+            as_json,
+            lambda: "\n".join([f"dry run: would {verb} {len(done)} job(s)", *done]),
+        )
+        return
+    key = {"retry": "retried", "purge": "purged"}[verb]
+    count = done if isinstance(done, int) else len(done)
+    _emit({key: done, "missing": []}, as_json, lambda: f"{key} {count} job(s)")
+
+
+def _dry(dry_run: bool) -> dict[str, Any]:
+    return {"dry_run": True} if dry_run else {}
+
+
+def _acting(f: Callable[..., Any]) -> Callable[..., Any]:
+    """The options ``dead retry`` and ``dead purge`` share."""
+    options: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = [
+        click.argument("job_ids", metavar="[ID]...", nargs=-1),
+        click.option("--all", "all_", is_flag=True, help="Every dead job (of --queue, if given)."),
+        _filters,
+        click.option(
+            "-f", "--force", is_flag=True, help="Do not ask on a terminal (--all, filters)."
+        ),
+        click.option("--dry-run", is_flag=True, help="Say which jobs; change nothing."),
+    ]
+    for opt in reversed(options):
+        f = opt(f)
+    return f
+
+
 @dead.command("retry")
-@click.argument("job_ids", nargs=-1)
-@click.option("--all", "all_", is_flag=True, help="Every dead job (of --queue, if given).")
-@_filters
+@_acting
 @click.option(
     "--rate",
     type=click.FloatRange(min=0, min_open=True),
@@ -380,67 +469,31 @@ def _selected(job_ids: Sequence[str], all_: bool, filters: dict[str, Any]) -> di
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
-def dead_retry(
-    ctx: click.Context,
-    /,
-    job_ids: tuple[str, ...],
-    all_: bool,
-    rate: float,
-    as_json: bool,
-    **filters: Any,
-) -> None:
-    """Retry dead jobs (job or Celery task ids): to the front of their queue, stalls reset."""
-    args = _selected(job_ids, all_, filters)
-    missing: list[str] = []
-    with _opened(ctx) as (store, _options, app):
-        morgue = Morgue(store, accepted_content(app))
-        if job_ids:
-            found, missing = morgue.find(job_ids, args["queue"])
-            ids = list(dict.fromkeys(j.id for j in found.values()))
-            retried = morgue.retry(ids, rate_per_s=rate, queue=args["queue"])
-            # Found a moment ago, gone now (another retry or purge won the race).
-            missing += [i for i, j in found.items() if j.id not in retried]
-        else:
-            retried = morgue.retry(rate_per_s=rate, **_on_server_clock(args, store))
-    _emit(
-        {"retried": retried, "missing": missing},
-        as_json,
-        lambda: (
-            f"retried {len(retried)} job(s)"
-            + (f"; {_not_found(missing, args['queue'])}" if missing else "")
-        ),
-    )
-    if missing:
-        sys.exit(1)
+def dead_retry(ctx: click.Context, /, rate: float, **params: Any) -> None:
+    """Retry dead jobs (job or Celery task ids): to the front of their queue, stalls reset.
+
+    Every id given must name a dead job, or nothing is retried and the command
+    fails naming those that do not. Every dead job (of a queue) takes --all;
+    on a terminal, --all and filters ask first (-f does not).
+    """
+    _act(ctx, "retry", lambda m, ids, kw: m.retry(ids, rate_per_s=rate, **kw), **params)
 
 
 @dead.command("purge")
-@click.argument("job_ids", nargs=-1)
-@click.option("--all", "all_", is_flag=True, help="Every dead job (of --queue, if given).")
-@_filters
+@_acting
 @click.option("--older-than", type=str, help="Only jobs that died longer ago: 90s, 30m, 2h, 7d.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
-def dead_purge(
-    ctx: click.Context,
-    /,
-    job_ids: tuple[str, ...],
-    all_: bool,
-    older_than: str | None,
-    as_json: bool,
-    **filters: Any,
-) -> None:
-    """Delete dead jobs for good (by job or Celery task id, --all or filters)."""
+def dead_purge(ctx: click.Context, /, older_than: str | None, **params: Any) -> None:
+    """Delete dead jobs for good (by job or Celery task id, --all or filters).
+
+    Every id given must name a dead job, or nothing is deleted and the command
+    fails naming those that do not. Every dead job (of a queue) takes --all;
+    on a terminal, --all and filters ask first (-f does not).
+    """
     if older_than is not None:
-        filters["until"] = older_than
-    args = _selected(job_ids, all_, filters)
-    with _opened(ctx) as (store, _options, app):
-        morgue = Morgue(store, accepted_content(app))
-        if job_ids:
-            n = morgue.purge(job_ids, queue=args["queue"])
-        else:
-            n = morgue.purge(**_on_server_clock(args, store))
-    _emit({"purged": n}, as_json, lambda: f"purged {n} job(s)")
+        params["until"] = older_than
+    _act(ctx, "purge", lambda m, ids, kw: m.purge(ids, **kw), **params)
 
 
 @emq.command()

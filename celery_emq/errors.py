@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from kombu import exceptions as kombu_exceptions
@@ -21,6 +22,7 @@ __all__ = [
     "ReplicasUnconfirmedError",
     "ScriptContractError",
     "StalledJobError",
+    "UnknownJobError",
 ]
 
 
@@ -130,6 +132,36 @@ class ReplicasUnconfirmedError(EmqError, OperationalError):
             type(self),
             (self.queue, self.job_id, self.confirmed, self.wanted, self.timeout_ms),
         )
+
+
+class UnknownJobError(EmqError, LookupError):
+    """Ids given to the morgue name no dead job; nothing was changed.
+
+    ``missing`` holds those ids, in the order given. Ids are checked before
+    anything moves; only a job that leaves the morgue in between (another
+    retry or purge) can stop a call half way, and then ``done`` holds the ids
+    already acted on.
+    """
+
+    def __init__(
+        self, missing: list[str], queue: str | None = None, done: Sequence[str] = ()
+    ) -> None:
+        self.missing = list(missing)
+        self.queue = queue
+        self.done = list(done)
+        where = f"queue {queue!r}" if queue else "any queue's morgue"
+        changed = (
+            f"only {len(self.done)} job(s) before it were acted on" if done else "nothing changed"
+        )
+        super().__init__(
+            f"no dead job with job id or Celery task id {', '.join(map(repr, self.missing))} "
+            f"in {where}; {changed}"
+        )
+
+    def __reduce__(
+        self,
+    ) -> tuple[type[UnknownJobError], tuple[list[str], str | None, list[str]]]:
+        return (type(self), (self.missing, self.queue, self.done))
 
 
 class BatchFlushError(EmqError, BatchPublishError):  # type: ignore[misc,valid-type]

@@ -216,13 +216,19 @@ def attach(flower_app: Any) -> None:
         if getattr(flower_app, "emq_store", None) is not None:
             return
         from .metrics import AppStore
-        from .morgue_page import handlers
+        from .morgue_page import FlowerTemplates, handlers, loader_options
 
         flower_app.emq_store = AppStore(flower_app.capp)
         prefix = "/" + (getattr(flower_app.options, "url_prefix", "") or "").strip("/")
         routes = [(prefix.rstrip("/") + path, handler) for path, handler in handlers()]
         # Rules added now are matched before Flower's own (and its catch-all 404).
         flower_app.add_handlers(r".*", routes)
+        settings = flower_app.settings
+        if settings.get("template_path") and "template_loader" not in settings:
+            # Flower's menu gets a link to the page.
+            settings["template_loader"] = FlowerTemplates(
+                settings["template_path"], prefix.rstrip("/") + "/emq", **loader_options(settings)
+            )
         if _collector is None:
             try:
                 from prometheus_client import REGISTRY

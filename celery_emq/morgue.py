@@ -10,11 +10,17 @@ The CLI's ``celery emq dead ...`` commands are a thin layer over :class:`Morgue`
     morgue.retry(task="proj.tasks.resize")          # back to the front of their queues
     morgue.retry([result.id])                       # a Celery task id works as a job id does
     morgue.purge(older_than_s=7 * 86400)
+    morgue.purge(queue="images", all=True)          # a whole queue's morgue: all=True
 
 A job is named by its job id (the morgue's own) or by its Celery task id (what
 ``AsyncResult``, the worker's log and Flower show). Job ids are looked up
 directly; a task id is found by reading the dead jobs' message headers (5,000
 dead jobs in about 0.2 s).
+
+Nothing is acted on by accident: every id given must name a dead job, or
+:class:`~celery_emq.errors.UnknownJobError` names those that do not and
+nothing changes; an empty list acts on nothing; and a call with neither ids
+nor a filter (``queue`` alone is not a filter) needs ``all=True``.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .errors import UnknownJobError
 from .jobs import DEFAULT_ACCEPT, accepted_content, describe
 from .store import JobStore
 
@@ -177,24 +184,70 @@ class Morgue:
                     rest.discard(job.task_id)
         return found, [ident for ident in wanted if ident not in found]
 
+    def select(
+        self,
+        job_ids: Sequence[str] | None = None,
+        *,
+        all: bool = False,
+        **filters: Any,
+    ) -> list[DeadJob]:
+        """Return the dead jobs a :meth:`retry` or :meth:`purge` with these arguments acts on.
+
+        Args:
+            job_ids: job or Celery task ids; every one must name a dead job
+                (``queue`` may narrow the search). An empty list selects
+                nothing. ``None``: select by ``filters`` instead.
+            all: needed to select by ``queue`` alone or by nothing at all.
+            filters: as :meth:`ls`.
+
+        Raises:
+            UnknownJobError: an id names no dead job.
+            ValueError: neither ids nor a filter without ``all``, or ids with
+                ``all`` or a filter.
+        """
+        chosen = any(v is not None for k, v in filters.items() if k != "queue")
+        if job_ids is None:
+            if not (chosen or all):
+                raise ValueError(
+                    "name job ids, give a filter, or pass all=True to act on every dead job"
+                    + (f" of queue {filters['queue']!r}" if filters.get("queue") else "")
+                )
+            return self.ls(**filters)
+        if isinstance(job_ids, str):
+            raise TypeError("job_ids is a list of ids, not one id")
+        if all or chosen:
+            raise ValueError("give job ids or all=True/filters, not both")
+        found, missing = self.find(job_ids, filters.get("queue"))
+        if missing:
+            raise UnknownJobError(missing, filters.get("queue"))
+        return list({j.id: j for j in found.values()}.values())
+
     def retry(
         self,
-        job_ids: Sequence[str] = (),
+        job_ids: Sequence[str] | None = None,
         rate_per_s: float | None = 500.0,
+        *,
+        all: bool = False,
         **filters: Any,
     ) -> list[str]:
         """Retry dead jobs: by job or task id, or every job matching ``filters`` (see :meth:`ls`).
 
         Each goes back to the front of its queue or lane with its stall count
         reset. A large replay is paced at ``rate_per_s`` jobs a second (``None``:
-        as fast as possible). Returns the ids retried.
+        as fast as possible). Which jobs: as :meth:`select` (an unknown id
+        raises :class:`~celery_emq.errors.UnknownJobError` and retries
+        nothing). Returns the ids retried.
         """
+        whole = job_ids is not None
         retried: list[str] = []
-        for queue, ids in self._targets(job_ids, filters).items():
+        for queue, ids in self._targets(self.select(job_ids, all=all, **filters)).items():
             for start in range(0, len(ids), 100):
                 chunk = ids[start : start + 100]
                 t0 = time.monotonic()
-                retried += self.store.retry(queue, chunk)
+                done = self.store.retry(queue, chunk, whole=whole)
+                if whole and not done:
+                    raise UnknownJobError(self.find(chunk, queue)[1], queue, retried)
+                retried += done
                 if rate_per_s:
                     pause = len(chunk) / rate_per_s - (time.monotonic() - t0)
                     if pause > 0 and start + 100 < len(ids):
@@ -203,31 +256,36 @@ class Morgue:
 
     def purge(
         self,
-        job_ids: Sequence[str] = (),
+        job_ids: Sequence[str] | None = None,
         older_than_s: float | None = None,
+        *,
+        all: bool = False,
         **filters: Any,
     ) -> int:
         """Delete dead jobs: by job or task id, or every job matching ``filters`` (see :meth:`ls`).
 
-        ``older_than_s`` keeps jobs that died more recently than that. Returns
-        how many were deleted.
+        ``older_than_s`` keeps jobs that died more recently than that (a
+        filter). Which jobs: as :meth:`select` (an unknown id raises
+        :class:`~celery_emq.errors.UnknownJobError` and deletes nothing).
+        Returns how many were deleted.
         """
         if older_than_s is not None:
             filters["until_ms"] = self.store.server_ms() - int(older_than_s * 1000)
-        return sum(
-            self.store.purge_dead(queue, ids)
-            for queue, ids in self._targets(job_ids, filters).items()
-        )
+        whole = job_ids is not None
+        n = 0
+        done: list[str] = []
+        for queue, ids in self._targets(self.select(job_ids, all=all, **filters)).items():
+            deleted = self.store.purge_dead(queue, ids, whole=whole)
+            if whole and not deleted:
+                raise UnknownJobError(self.find(ids, queue)[1], queue, done)
+            n += deleted
+            done += ids
+        return n
 
-    def _targets(self, job_ids: Sequence[str], filters: dict[str, Any]) -> dict[str, list[str]]:
+    @staticmethod
+    def _targets(jobs: Sequence[DeadJob]) -> dict[str, list[str]]:
         targets: dict[str, list[str]] = {}
-        if job_ids:
-            found, _missing = self.find(job_ids, filters.get("queue"))
-            for job in found.values():
-                if job.id not in targets.get(job.queue, ()):
-                    targets.setdefault(job.queue, []).append(job.id)
-            return targets
-        for job in self.ls(**filters):
+        for job in jobs:
             targets.setdefault(job.queue, []).append(job.id)
         return targets
 

@@ -11,29 +11,81 @@ server from templates shipped in ``celery_emq/templates/emq``, without scripts.
 
 from __future__ import annotations
 
+import html
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlencode
 
+import tornado.template
 import tornado.web
 from flower.views import BaseHandler
 from tornado.ioloop import IOLoop
 
 from ._format import age, when
-from .errors import EmqError
+from .errors import EmqError, UnknownJobError
 from .jobs import accepted_content
 from .morgue import REASONS, Morgue
 from .status import queue_statuses
 
-__all__ = ["LIST_LIMIT", "handlers"]
+__all__ = ["LIST_LIMIT", "NOTICES", "FlowerTemplates", "handlers", "loader_options"]
 
 #: Most dead jobs the list shows (the newest deaths first).
 LIST_LIMIT = 500
 
+#: What the page may say after a button: ``?notice=`` picks one by its key, so a
+#: link cannot put words of its own on the page.
+NOTICES = {
+    "retried": "Retried the selected job(s): back at the front of their queues.",
+    "purged": "Purged the selected job(s).",
+    "missing": (
+        "Nothing changed: a selected job is no longer in the morgue "
+        "(retried, purged or trimmed meanwhile)."
+    ),
+}
+
 TEMPLATES = str(Path(__file__).parent / "templates" / "emq")
 
 T = TypeVar("T")
+
+
+def loader_options(settings: dict[str, Any]) -> dict[str, Any]:
+    """The template options of a Tornado application's settings (as Tornado reads them)."""
+    options = {}
+    if "autoescape" in settings:
+        options["autoescape"] = settings["autoescape"]
+    if "template_whitespace" in settings:
+        options["whitespace"] = settings["template_whitespace"]
+    return options
+
+
+class FlowerTemplates(tornado.template.Loader):
+    """Flower's own templates, read as they are but for one more item in Flower's menu.
+
+    The item (a link to the morgue page) goes at the end of the first list of
+    ``navbar.html``, after Workers, Tasks and Broker. A navbar without such a
+    list is left as it is.
+    """
+
+    MENU = "navbar.html"
+
+    def __init__(self, root_directory: str, link: str, **kwargs: Any) -> None:
+        super().__init__(root_directory, **kwargs)
+        self.link = link
+
+    def _create_template(self, name: str) -> tornado.template.Template:
+        if name != self.MENU:
+            return super()._create_template(name)
+        with open(Path(self.root) / name, encoding="utf-8") as f:
+            text = f.read()
+        item = (
+            '<li class="nav-item"><a class="nav-link" '
+            f'href="{html.escape(self.link)}">Morgue</a></li>\n'
+        )
+        end = text.find("</ul>")
+        if end >= 0:
+            text = text[:end] + item + text[end:]
+        return tornado.template.Template(text, name=name, loader=self)
 
 
 class EmqHandler(BaseHandler):  # type: ignore[misc]
@@ -44,6 +96,14 @@ class EmqHandler(BaseHandler):  # type: ignore[misc]
 
     def get_template_path(self) -> str | None:
         return TEMPLATES if self._ours else super().get_template_path()
+
+    def create_template_loader(self, template_path: str) -> tornado.template.BaseLoader:
+        # Flower's templates may come from the application's loader (its menu
+        # with our link); ours never do.
+        if template_path == TEMPLATES:
+            return tornado.template.Loader(template_path, **loader_options(self.settings))
+        loader: tornado.template.BaseLoader = super().create_template_loader(template_path)
+        return loader
 
     @property
     def root(self) -> str:
@@ -90,7 +150,7 @@ class MorguePage(EmqHandler):
             filters=filters,
             reasons=reasons,
             limit=LIST_LIMIT,
-            notice=self.arg("notice"),
+            notice=NOTICES.get(self.arg("notice") or ""),
             error=error,
         )
 
@@ -112,10 +172,19 @@ class MorguePage(EmqHandler):
 
 
 class JobPage(EmqHandler):
-    """``GET /emq/job/<queue>/<id>``: one dead job: task, arguments, error, stall history."""
+    """``GET /emq/job?queue=<queue>&id=<id>``: one dead job: task, arguments, error, history.
+
+    The queue and the id are query arguments, so any queue name works (one
+    holding ``/`` as well); ``/emq/job/<queue>/<id>`` still answers for names
+    without one.
+    """
 
     @tornado.web.authenticated
-    async def get(self, queue: str, job_id: str) -> None:
+    async def get(self, queue: str | None = None, job_id: str | None = None) -> None:
+        queue = queue or self.arg("queue")
+        job_id = job_id or self.arg("id")
+        if not (queue and job_id):
+            raise tornado.web.HTTPError(400, "the page of a dead job needs queue and id")
         job = await self.blocking(lambda: self.morgue().show(job_id, queue))
         if job is None:
             raise tornado.web.HTTPError(404, f"no dead job {job_id!r} in queue {queue!r}")
@@ -141,15 +210,20 @@ class Action(EmqHandler):
         if not ids:
             raise tornado.web.HTTPError(400, "no job selected")
         queue = self.arg("queue")
-        done = await self.blocking(self._act, ids, queue)
-        self.redirect(self.root + "?" + urlencode({"notice": done}))
+        try:
+            await self.blocking(self._act, ids, queue)
+            notice = {"retry": "retried", "purge": "purged"}[self.verb]
+        except UnknownJobError:
+            notice = "missing"
+        self.redirect(self.root + "?" + urlencode({"notice": notice}))
 
-    def _act(self, ids: list[str], queue: str | None) -> str:
+    def _act(self, ids: list[str], queue: str | None) -> None:
+        """Retry or purge every id given, or none of them if one is not dead."""
         morgue = self.morgue()
         if self.verb == "retry":
-            retried = morgue.retry(ids, rate_per_s=None, queue=queue)
-            return f"retried {len(retried)} job(s): {', '.join(retried)}"
-        return f"purged {morgue.purge(ids, queue=queue)} job(s)"
+            morgue.retry(ids, rate_per_s=None, queue=queue)
+        else:
+            morgue.purge(ids, queue=queue)
 
 
 class Retry(Action):
@@ -179,6 +253,7 @@ def handlers() -> list[tuple[str, type[EmqHandler]]]:
     """The page's routes, relative to Flower's root."""
     return [
         (r"/emq/?", MorguePage),
+        (r"/emq/job/?", JobPage),
         (r"/emq/job/([^/]+)/([^/]+)", JobPage),
         (r"/emq/retry", Retry),
         (r"/emq/purge", Purge),

@@ -75,7 +75,8 @@ class EmqOptions:
             dead-letters it on its second stall, ``0`` dead-letters on the first,
             ``None`` never dead-letters. A task may set its own
             (``emq_max_stalled``).
-        sweep_interval_s: How often each consuming worker sweeps its queues.
+        sweep_interval_s: How often each consuming worker sweeps its queues;
+            defaults to a third of ``lease_ms`` and at most 5 s.
         sweep_batch: Most lapsed jobs one sweep script call examines.
         dead_max_size: Most dead jobs a queue's morgue keeps (0: no bound).
         dead_max_age_s: How long a dead job is kept (0: forever).
@@ -134,14 +135,19 @@ class EmqOptions:
         max_stalled = topts.get("max_stalled", cls.max_stalled)
         if max_stalled is not None:
             max_stalled = _int(topts, "max_stalled", 1, 0, 1_000_000)
-        interval = topts.get("sweep_interval_s", cls.sweep_interval_s)
+        # A third of the lease keeps the gap between sweeps under half a lease,
+        # which is what an outage looks like (see the warning below).
+        interval_default = min(cls.sweep_interval_s, lease_ms / 3000)
+        interval = topts.get("sweep_interval_s", interval_default)
         if (
             isinstance(interval, bool)
             or not isinstance(interval, int | float)
             or not 0.1 <= interval <= 3600
         ):
             raise InvalidOptionError("sweep_interval_s", interval, "a number from 0.1 to 3600")
-        if float(interval) * 1000 > lease_ms / 3:
+        warning = f"sweep_interval_s={interval}/lease_ms={lease_ms}"
+        if float(interval) * 1000 > lease_ms / 3 and warning not in _warned:
+            _warned.add(warning)
             logger.warning(
                 "celery_emq: sweep_interval_s=%s is more than a third of lease_ms=%s: a gap "
                 "between sweeps of over half a lease looks like an outage, and a dead worker's "

@@ -464,30 +464,48 @@ class Scripts:
             self._run("trim", [k.dead, k.base], [_time_arg(now_ms), max_age_ms, max_size, limit])
         )
 
-    def retry(self, k: QueueKeys, now_ms: int | None, job_ids: Sequence[str]) -> list[str]:
-        """Move dead jobs back to the front of their queue or lane; return those moved."""
+    def retry(
+        self, k: QueueKeys, now_ms: int | None, job_ids: Sequence[str], whole: bool = False
+    ) -> tuple[list[str], list[str]]:
+        """Move dead jobs back to the front of their queue or lane.
+
+        Returns the ids moved and the ids that were not dead. With ``whole``,
+        a batch (:data:`MORGUE_BATCH` ids) holding an id that is not dead moves
+        nothing.
+        """
         moved: list[str] = []
+        missing: list[str] = []
         for start in range(0, len(job_ids), MORGUE_BATCH):
             chunk = job_ids[start : start + MORGUE_BATCH]
-            reply = self._run(
+            done, absent = self._run(
                 "retry",
                 [k.dead, k.pending, k.wake, k.head, k.lanes, k.base],
-                [_time_arg(now_ms), *chunk],
+                [_time_arg(now_ms), int(whole), *chunk],
             )
-            moved.extend(_text(x) for x in reply)
-        return moved
+            moved.extend(_text(x) for x in done)
+            missing.extend(_text(x) for x in absent)
+        return moved, missing
 
     def give_back(self, k: QueueKeys) -> bool:
         """Return a popped wake marker while the queue has claimable jobs."""
         return bool(self._run("give_back", [k.wake, k.pending, k.lanes], []))
 
-    def purge_dead(self, k: QueueKeys, job_ids: Sequence[str]) -> int:
-        """Delete dead jobs by id; return how many were deleted."""
+    def purge_dead(
+        self, k: QueueKeys, job_ids: Sequence[str], whole: bool = False
+    ) -> tuple[int, list[str]]:
+        """Delete dead jobs by id.
+
+        Returns how many were deleted and the ids that were not dead. With
+        ``whole``, a batch holding an id that is not dead deletes nothing.
+        """
         n = 0
+        missing: list[str] = []
         for start in range(0, len(job_ids), MORGUE_BATCH):
             chunk = job_ids[start : start + MORGUE_BATCH]
-            n += int(self._run("purge_dead", [k.dead, k.base], list(chunk)))
-        return n
+            deleted, absent = self._run("purge_dead", [k.dead, k.base], [int(whole), *chunk])
+            n += int(deleted)
+            missing.extend(_text(x) for x in absent)
+        return n, missing
 
 
 def _enqueue_call(

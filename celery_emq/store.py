@@ -291,13 +291,23 @@ class JobStore:
             if n < limit:
                 return total
 
-    def retry(self, queue: str, job_ids: Sequence[str], now_ms: int | None = None) -> list[str]:
-        """Bring dead jobs back to the front of their queue or lane, stall count reset."""
-        return self.scripts.retry(self.keys(queue), now_ms, job_ids)
+    def retry(
+        self,
+        queue: str,
+        job_ids: Sequence[str],
+        now_ms: int | None = None,
+        whole: bool = False,
+    ) -> list[str]:
+        """Bring dead jobs back to the front of their queue or lane, stall count reset.
 
-    def purge_dead(self, queue: str, job_ids: Sequence[str]) -> int:
-        """Delete dead jobs by id; return how many went."""
-        return self.scripts.purge_dead(self.keys(queue), job_ids)
+        Returns the ids retried. With ``whole``, if one id of a batch (500) is
+        not dead, none of the batch is retried.
+        """
+        return self.scripts.retry(self.keys(queue), now_ms, job_ids, whole)[0]
+
+    def purge_dead(self, queue: str, job_ids: Sequence[str], whole: bool = False) -> int:
+        """Delete dead jobs by id; return how many went (``whole``: as :meth:`retry`)."""
+        return self.scripts.purge_dead(self.keys(queue), job_ids, whole)[0]
 
     def give_back(self, queue: str) -> bool:
         """Return a wake marker a consumer popped but did not claim for (if still due)."""

@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import redis
 from celery import shared_task
 
 from .errors import EmqError
@@ -37,7 +38,9 @@ def open_store(app: Any) -> Iterator[tuple[JobStore, EmqOptions]]:
     """
     from .transport import Channel
 
-    with app.connection_for_write() as conn:
+    # kombu retries refused credentials as it retries an unreachable broker
+    # (about 6 s by default): they are reported at once instead.
+    with app.connection_for_write(transport_options={"errback": _credentials_refused}) as conn:
         channel = conn.default_channel
         if not isinstance(channel, Channel):
             raise EmqError(
@@ -45,6 +48,12 @@ def open_store(app: Any) -> Iterator[tuple[JobStore, EmqOptions]]:
                 "(use an emq:// URL, or broker_transport='celery_emq.transport:Transport')"
             )
         yield channel.store, channel.emq
+
+
+def _credentials_refused(exc: BaseException, _interval: float) -> None:
+    """Stop kombu's connection retries when the broker refused the credentials."""
+    if isinstance(exc, redis.AuthenticationError):
+        raise exc
 
 
 @shared_task(name=SWEEP_TASK, bind=True)

@@ -22,8 +22,12 @@ Fixtures:
     test's prefix, current (and default) app while the test runs.
 ``emq_worker_parameters``
     Keyword arguments of ``emq_worker``'s :func:`celery.contrib.testing.worker.start_worker`.
+    Override it with ``pool="prefork"`` to test a task that ends its process
+    (``os._exit``, a crash): on the default threads pool it would end pytest.
 ``emq_worker``
-    An in-process worker (threads pool) consuming ``emq_app``'s queues.
+    An in-process worker (threads pool) consuming ``emq_app``'s queues. Tasks
+    defined with ``shared_task`` publish through ``emq_app``; a task defined
+    with ``@app.task`` on another app publishes through that app's own broker.
 ``emq``
     An :class:`EmqTestKit`: find a task's job, wait for it to start, lapse its
     lease, run a sweep, read the morgue.
@@ -315,7 +319,12 @@ def emq_app(emq_config: dict[str, Any]) -> Iterator[Any]:
 
 @pytest.fixture
 def emq_worker_parameters() -> dict[str, Any]:
-    """Arguments of ``emq_worker``'s ``start_worker`` (pool, concurrency, timeouts...)."""
+    """Arguments of ``emq_worker``'s ``start_worker`` (pool, concurrency, timeouts...).
+
+    The pool is ``threads``: tasks run in pytest's process. Override this
+    fixture with ``{"pool": "prefork", "concurrency": 1}`` for a task that ends
+    its process, which then dies in a child the worker replaces.
+    """
     return {"pool": "threads", "concurrency": 2, "shutdown_timeout": 15.0}
 
 

@@ -8,7 +8,7 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_emq import Morgue
+from celery_emq import Morgue, UnknownJobError
 from celery_emq.store import JobStore
 from tests.conftest import sweeps_ran_until
 
@@ -137,3 +137,134 @@ def test_a_celery_task_id_finds_the_dead_job(
     assert client.zrange(store.keys("celery").pending, 0, 0) == [a.encode()]
     assert morgue.purge([task_b]) == 1
     assert morgue.ls() == []
+
+
+def snapshot(client: redis.Redis, prefix: str) -> dict[bytes, Any]:
+    """Every key under ``prefix`` with its type and contents: what "nothing changed" compares."""
+    out: dict[bytes, Any] = {}
+    for key in sorted(client.scan_iter(match=prefix + "*", count=1000)):
+        kind = client.type(key)
+        if kind == b"zset":
+            out[key] = client.zrange(key, 0, -1, withscores=True)
+        elif kind == b"hash":
+            out[key] = client.hgetall(key)
+        elif kind == b"list":
+            out[key] = client.lrange(key, 0, -1)
+        elif kind == b"set":
+            out[key] = sorted(client.smembers(key))
+        else:
+            out[key] = client.get(key)
+    return out
+
+
+@pytest.fixture
+def two_dead(app: Celery, store: JobStore) -> tuple[str, str]:
+    """Two dead jobs: one in queue ``celery``, one in queue ``other``."""
+    return (
+        kill(app, store, "proj.a", when_ms=10_000),
+        kill(app, store, "proj.b", queue="other", when_ms=20_000),
+    )
+
+
+@pytest.mark.parametrize("verb", ["retry", "purge"])
+@pytest.mark.parametrize(
+    "ids",
+    [["nope"], ["KNOWN", "nope"], ["KNOWN", "OTHER", "nope", "nada"]],
+    ids=["unknown", "mixed", "mixed-queues"],
+)
+def test_an_unknown_id_changes_nothing_and_is_named(
+    app: Celery,
+    store: JobStore,
+    client: redis.Redis,
+    prefix: str,
+    two_dead: tuple[str, str],
+    verb: str,
+    ids: list[str],
+) -> None:
+    a, b = two_dead
+    ids = [{"KNOWN": a, "OTHER": b}.get(i, i) for i in ids]
+    before = snapshot(client, prefix)
+    with pytest.raises(UnknownJobError) as raised:
+        getattr(Morgue(store), verb)(ids)
+    assert raised.value.missing == [i for i in ids if i in ("nope", "nada")]
+    assert "nope" in str(raised.value) and "nothing" in str(raised.value)
+    assert snapshot(client, prefix) == before
+
+
+@pytest.mark.parametrize("verb", ["retry", "purge"])
+def test_an_empty_list_changes_nothing(
+    store: JobStore, client: redis.Redis, prefix: str, two_dead: tuple[str, str], verb: str
+) -> None:
+    before = snapshot(client, prefix)
+    assert getattr(Morgue(store), verb)([]) in ([], 0)
+    assert getattr(Morgue(store), verb)([], queue="other") in ([], 0)
+    assert snapshot(client, prefix) == before
+
+
+@pytest.mark.parametrize("verb", ["retry", "purge"])
+def test_everything_takes_all(
+    store: JobStore, client: redis.Redis, prefix: str, two_dead: tuple[str, str], verb: str
+) -> None:
+    morgue = Morgue(store)
+    before = snapshot(client, prefix)
+    for call in (
+        lambda: getattr(morgue, verb)(),
+        lambda: getattr(morgue, verb)(queue="other"),
+        lambda: getattr(morgue, verb)(task=None, reason=None),
+    ):
+        with pytest.raises(ValueError, match="all=True"):
+            call()
+    with pytest.raises(ValueError, match="not both"):
+        getattr(morgue, verb)(["x"], all=True)
+    with pytest.raises(TypeError):
+        getattr(morgue, verb)("abc")
+    assert snapshot(client, prefix) == before
+    done = getattr(morgue, verb)(queue="other", all=True)
+    assert (len(done) if verb == "retry" else done) == 1
+    assert [j.queue for j in morgue.ls()] == ["celery"]
+    done = getattr(morgue, verb)(all=True)
+    assert (len(done) if verb == "retry" else done) == 1
+    assert morgue.ls() == []
+
+
+def test_select_says_what_would_be_acted_on(store: JobStore, two_dead: tuple[str, str]) -> None:
+    a, b = two_dead
+    morgue = Morgue(store)
+    assert [j.id for j in morgue.select([b, a])] == [b, a]
+    assert [j.id for j in morgue.select(all=True)] == [a, b]
+    assert [j.id for j in morgue.select(task="proj.b")] == [b]
+    assert morgue.select([]) == []
+    with pytest.raises(UnknownJobError):
+        morgue.select([a, "nope"])
+    assert len(morgue.ls()) == 2
+
+
+def test_the_scripts_change_nothing_when_one_id_is_not_dead(
+    app: Celery, store: JobStore, client: redis.Redis, prefix: str
+) -> None:
+    # Checked under the script: a job retried or purged by someone else between the
+    # lookup and the call leaves the others of the call where they were.
+    a = kill(app, store, "proj.a", when_ms=10_000)
+    b = kill(app, store, "proj.b", when_ms=20_000)
+    before = snapshot(client, prefix)
+    assert store.retry("celery", [a, "gone"], whole=True) == []
+    assert store.purge_dead("celery", [b, "gone"], whole=True) == 0
+    assert snapshot(client, prefix) == before
+    assert store.retry("celery", [a, "gone"]) == [a]
+    assert store.purge_dead("celery", [b, "gone"]) == 1
+
+
+def test_a_job_gone_between_lookup_and_script_stops_its_queue_only(
+    store: JobStore, client: redis.Redis, two_dead: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = two_dead
+    morgue = Morgue(store)
+    selected = morgue.select([a, b])
+    # Another operator purges b after this call looked it up.
+    store.purge_dead("other", [b])
+    monkeypatch.setattr(morgue, "select", lambda *args, **kwargs: selected)
+    with pytest.raises(UnknownJobError) as raised:
+        morgue.retry([a, b])
+    assert (raised.value.missing, raised.value.done) == ([b], [a])
+    assert "only 1 job(s) before it were acted on" in str(raised.value)
+    assert store.counts("celery")["pending"] == 1

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from celery_emq import EmqOptions, InvalidOptionError
@@ -72,3 +74,24 @@ def test_other_transports_options_and_far_names_pass_quietly(
             }
         )
     assert [r.getMessage() for r in caplog.records] == []
+
+
+@pytest.mark.parametrize(
+    ("lease_ms", "interval_s"),
+    [(500, 500 / 3000), (3000, 1.0), (5000, 5 / 3), (15_000, 5.0), (30_000, 5.0), (600_000, 5.0)],
+)
+def test_the_sweep_interval_default_is_a_third_of_the_lease_at_most_5s(
+    lease_ms: int, interval_s: float
+) -> None:
+    options = EmqOptions.from_transport_options({"lease_ms": lease_ms})
+    assert options.sweep_interval_s == pytest.approx(interval_s)
+
+
+def test_a_long_sweep_interval_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="celery_emq.options"):
+        for _ in range(5):
+            EmqOptions.from_transport_options({"lease_ms": 5000})
+        assert caplog.records == []
+        for _ in range(5):
+            EmqOptions.from_transport_options({"lease_ms": 5001, "sweep_interval_s": 5})
+    assert [r.getMessage().count("sweep_interval_s=5") for r in caplog.records] == [1]

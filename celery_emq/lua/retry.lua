@@ -7,12 +7,15 @@
   KEYS[5] lanes     <p>:{q}:lanes (ZSET of groups with a lane)
   KEYS[6] base      <p>:{q}: (job rows, lane keys and metrics:<name> derive from it)
   ARGV[1] now_ms    '' takes the Redis server's clock
-  ARGV[2..] ids     dead job ids to retry (the caller sends at most 500)
-  Returns the array of ids that were dead and are pending again, in the order given
-  (the first at the very front).
+  ARGV[2] whole     1: all or nothing (if any id is not dead, none is retried)
+  ARGV[3..] ids     dead job ids to retry (the caller sends at most 500)
+  Returns {retried, missing}: the ids that were dead and are pending again, in the
+  order given (the first at the very front), and the ids that were not dead (with
+  `whole`, retried is then empty).
 ]]
 local dead, pending, wake, head, lanes, base = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-local now_ms = tonumber(ARGV[1])
+local now_ms, whole = tonumber(ARGV[1]), ARGV[2] == '1'
+local FIRST = 3
 if not now_ms then
   local t = redis.call('TIME')
   now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -20,18 +23,30 @@ end
 
 local BAND = 1099511627776
 
+local missing = {}
+for i = FIRST, #ARGV do
+  local id = ARGV[i]
+  local state = redis.call('HGET', base .. 'job:' .. id, 'state')
+  if state ~= 'dead' or not redis.call('ZSCORE', dead, id) then
+    missing[#missing + 1] = id
+  end
+end
+if whole and #missing > 0 then
+  return {{}, missing}
+end
+
 -- The first id of the batch takes the highest head number, so the batch keeps its order.
 local top = 0
-if #ARGV > 1 then
-  top = redis.call('INCRBY', head, #ARGV - 1)
+if #ARGV >= FIRST then
+  top = redis.call('INCRBY', head, #ARGV - FIRST + 1)
 end
 local out = {}
-for i = 2, #ARGV do
+for i = FIRST, #ARGV do
   local id = ARGV[i]
   local job = base .. 'job:' .. id
   local row = redis.call('HMGET', job, 'state', 'priority', 'group')
   if row[1] == 'dead' and redis.call('ZREM', dead, id) == 1 then
-    local n = top - i + 2
+    local n = top - i + FIRST
     local lane = pending
     if row[3] and row[3] ~= '' then
       lane = base .. 'g:' .. row[3] .. ':pending'
@@ -45,4 +60,4 @@ for i = 2, #ARGV do
     out[#out + 1] = id
   end
 end
-return out
+return {out, missing}

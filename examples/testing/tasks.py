@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 from celery import shared_task
@@ -25,3 +26,9 @@ def poison() -> str:
     """
     released.wait(timeout=30)
     return "released"
+
+
+@shared_task(name="shop.crash", acks_late=True, emq_max_stalled=0)
+def crash() -> None:
+    """A task that kills the process running it, as a segfault or the OOM killer would."""
+    os._exit(1)

@@ -22,6 +22,12 @@ def test_a_task_runs(emq_worker: Any) -> None:
     assert tasks.add.delay(2, 3).get(timeout=10) == 5
 
 
+def test_a_shared_task_publishes_through_the_test_app(emq_app: Any) -> None:
+    # A shared_task follows the current app: emq_app, on the test's Redis and prefix.
+    # A task defined with @proj.task would publish through proj's own broker instead.
+    assert tasks.add.app is emq_app
+
+
 def test_a_poison_task_is_dead_lettered(emq_worker: Any, emq: Any, released: None) -> None:
     result = tasks.poison.delay()
     emq.wait_started(result.id)  # a worker holds it and its task runs

@@ -77,7 +77,9 @@ def test_errors_are_one_line_and_non_zero(e2e_env: dict[str, str]) -> None:
     )
     unselected = emq(e2e_env, "dead", "retry")
     assert unselected.returncode != 0
-    assert unselected.stderr.strip() == "Error: name job or task ids, or pass --all or a filter"
+    assert unselected.stderr.strip() == (
+        "Error: name job or task ids, give a filter, or pass --all for every dead job"
+    )
     bad_reason = emq(e2e_env, "dead", "ls", "--reason", "worker-lost")
     assert bad_reason.returncode != 0
     assert "'worker-lost'" in bad_reason.stderr and "worker_lost" in bad_reason.stderr

@@ -183,7 +183,7 @@ def test_morgue_page_lists_shows_and_retries_a_dead_job(
     client.set(prefix + "cured:page", 1)
     browser.find_element(By.ID, "retry").click()
     notice = wait_for(lambda: browser.find_elements(By.ID, "notice"), 10)[0]
-    assert notice.text.startswith("retried 1 job(s)")
+    assert notice.text.startswith("Retried the selected job(s)")
     # It runs (the ledger counts its third run) and leaves the morgue.
     wait_for(lambda: client.hget(prefix + "runs", "page") == b"3", 30)
     assert capp.AsyncResult(result.id).get(timeout=20) == "cured"

@@ -33,4 +33,4 @@ def test_the_example_test_module_passes(redis_url: str, tmp_path: Path) -> None:
     )
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
-    assert "2 passed" in out, out[-3000:]
+    assert "4 passed" in out, out[-3000:]
