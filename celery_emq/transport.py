@@ -310,7 +310,7 @@ class Channel(ChannelCompat, kombu_redis.Channel):
         """kombu 5.7's hook: a batch sending its publishes together (see batch.py)."""
         return PublishBatch(self, max_size)
 
-    def _new_job(self, queue: str, message: dict[str, Any]) -> tuple[NewJob, bool]:
+    def _new_job(self, message: dict[str, Any]) -> tuple[NewJob, bool]:
         """Return the job a message becomes (its payload the JSON text), and if it is a task."""
         props = message["properties"]
         # kombu gives every publish attempt a new delivery tag, but a retry
@@ -343,7 +343,7 @@ class Channel(ChannelCompat, kombu_redis.Channel):
         return job, "task" in headers
 
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
-        job, is_task = self._new_job(queue, message)
+        job, is_task = self._new_job(message)
         ttl_ms = self._queue_ttl.get(queue, 0)
         publish_batch = kwargs.get(BATCH_ARGUMENT)
         if isinstance(publish_batch, PublishBatch):
