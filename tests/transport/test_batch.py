@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,29 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture
 def store(client: redis.Redis, prefix: str) -> JobStore:
     return JobStore(client, prefix + "emq", lease_ms=30_000)
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A private ``redis-server`` (its command statistics are the test's own)."""
+    if CLUSTER:
+        pytest.skip("a private single server")
+    started = RedisServer(tmp_path)
+    started.start()
+    yield started
+    started.stop()
+
+
+def producer_on(conn: Connection, *queues: Queue) -> Producer:
+    """A producer on ``conn`` with ``queues`` declared."""
+    producer = Producer(conn.channel())
+    for q in queues:
+        q(producer.channel).declare()
+    return producer
+
+
+def emq_url(server: RedisServer) -> str:
+    return server.url.replace("redis://", "emq://", 1)
 
 
 def queue(name: str = "q", **kw: Any) -> Queue:
@@ -184,86 +208,62 @@ def test_fanout_in_a_batch_reaches_every_subscriber(connect: ConnFactory) -> Non
         c.cancel()
 
 
-@pytest.mark.skipif(CLUSTER, reason="a private single server")
 def test_one_script_call_per_queue_and_one_wake_push_per_flush(
-    connect: ConnFactory, tmp_path: Path
+    connect: ConnFactory, server: RedisServer
 ) -> None:
-    server = RedisServer(tmp_path)
-    server.start()
-    try:
-        conn = connect(server.url.replace("redis://", "emq://", 1))
-        qs = [queue("q1"), queue("q2")]
-        producer = Producer(conn.channel())
-        for q in qs:
-            q(producer.channel).declare()
-        client = server.client()
-        with producer.batch():  # loads the scripts
-            producer.publish({}, exchange=qs[0].exchange, routing_key="q1")
-        client.config_resetstat()
-        with producer.batch(max_size=100):
-            for i in range(60):
-                q = qs[i % 2]
-                producer.publish({"i": i}, exchange=q.exchange, routing_key=q.name)
-        calls = commands(client)
-        assert calls.get("evalsha", 0) + calls.get("eval", 0) == 2
-        assert calls["lpush"] == 2
-        assert calls["set"] == 60 + 2  # a message each, and each queue's sequence
-        assert client.llen(conn.default_channel.store.keys("q1").wake) == 31
-    finally:
-        server.stop()
+    conn = connect(emq_url(server))
+    qs = [queue("q1"), queue("q2")]
+    producer = producer_on(conn, *qs)
+    client = server.client()
+    with producer.batch():  # loads the scripts
+        producer.publish({}, exchange=qs[0].exchange, routing_key="q1")
+    client.config_resetstat()
+    with producer.batch(max_size=100):
+        for i in range(60):
+            q = qs[i % 2]
+            producer.publish({"i": i}, exchange=q.exchange, routing_key=q.name)
+    calls = commands(client)
+    assert calls.get("evalsha", 0) + calls.get("eval", 0) == 2
+    assert calls["lpush"] == 2
+    assert calls["set"] == 60 + 2  # a message each, and each queue's sequence
+    assert client.llen(conn.default_channel.store.keys("q1").wake) == 31
 
 
-@pytest.mark.skipif(CLUSTER, reason="a private single server")
-def test_wait_replicas_waits_once_per_flush(connect: ConnFactory, tmp_path: Path) -> None:
-    server = RedisServer(tmp_path)
-    server.start()
-    try:
-        conn = connect(
-            server.url.replace("redis://", "emq://", 1), wait_replicas=1, wait_timeout_ms=50
-        )
-        q = queue()
-        producer = Producer(conn.channel())
-        q(producer.channel).declare()
-        client = server.client()
-        client.script_load(script_source("enqueue_many"))
-        client.config_resetstat()
-        with pytest.raises(BatchPublishError) as err, producer.batch(max_size=5):
-            for i in range(5):
-                producer.publish({"i": i}, exchange=q.exchange, routing_key="q")
-        assert commands(client)["wait"] == 1
-        failed = err.value
-        assert isinstance(failed, BatchFlushError)
-        # No replica: the jobs stand on the master, and the error says so.
-        assert failed.confirmed == 0
-        assert len(failed.stored) == 5
-        assert failed.unknown == []
-        assert conn.default_channel.store.size("q") == 5
-    finally:
-        server.stop()
-
-
-@pytest.mark.skipif(CLUSTER, reason="a private single server")
-def test_a_flush_to_a_stopped_server_raises_batch_publish_error(
-    connect: ConnFactory, tmp_path: Path
-) -> None:
-    server = RedisServer(tmp_path)
-    server.start()
-    conn = connect(server.url.replace("redis://", "emq://", 1), socket_timeout=1)
+def test_wait_replicas_waits_once_per_flush(connect: ConnFactory, server: RedisServer) -> None:
+    conn = connect(emq_url(server), wait_replicas=1, wait_timeout_ms=50)
     q = queue()
-    producer = Producer(conn.channel())
-    q(producer.channel).declare()
-    try:
-        with pytest.raises(BatchPublishError) as err, producer.batch(max_size=4):
-            for i in range(6):
-                producer.publish({"i": i}, exchange=q.exchange, routing_key="q")
-            server.stop()
-        failed = err.value
-        assert isinstance(failed, BatchFlushError)
-        assert failed.stored == []
-        # The first flush (4 jobs) went through; the last 2 are of unknown outcome.
-        assert len(failed.unknown) == 2
-    finally:
+    producer = producer_on(conn, q)
+    client = server.client()
+    client.script_load(script_source("enqueue_many"))
+    client.config_resetstat()
+    with pytest.raises(BatchPublishError) as err, producer.batch(max_size=5):
+        for i in range(5):
+            producer.publish({"i": i}, exchange=q.exchange, routing_key="q")
+    assert commands(client)["wait"] == 1
+    failed = err.value
+    assert isinstance(failed, BatchFlushError)
+    # No replica: the jobs stand on the master, and the error says so.
+    assert failed.confirmed == 0
+    assert len(failed.stored) == 5
+    assert failed.unknown == []
+    assert conn.default_channel.store.size("q") == 5
+
+
+def test_a_flush_to_a_stopped_server_raises_batch_publish_error(
+    connect: ConnFactory, server: RedisServer
+) -> None:
+    conn = connect(emq_url(server), socket_timeout=1)
+    q = queue()
+    producer = producer_on(conn, q)
+    with pytest.raises(BatchPublishError) as err, producer.batch(max_size=4):
+        for i in range(6):
+            producer.publish({"i": i}, exchange=q.exchange, routing_key="q")
         server.stop()
+    failed = err.value
+    assert isinstance(failed, BatchFlushError)
+    assert failed.stored == []
+    # The first flush (4 jobs) went through; the last 2 are of unknown outcome.
+    assert len(failed.unknown) == 2
 
 
 def test_a_flush_sent_again_stores_no_job_twice(connect: ConnFactory, store: JobStore) -> None:
