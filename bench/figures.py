@@ -178,6 +178,28 @@ def drain_round(
     }
 
 
+#: ``max_size`` of the batched publish figure (kombu's default).
+BATCH_MAX_SIZE = 1000
+
+
+def publish_round(target: Target, scheme: str, n: int, timeout_s: float) -> Round:
+    """Publish ``n`` ``noop`` tasks one by one, then ``n`` inside ``Producer.batch()``.
+
+    Returns both rates (tasks/s, the publisher alone); no worker runs. A
+    batched round ends once the batch's last flush returned.
+    """
+    env = target.env(scheme)
+    with round_keys(env):
+        single_s = publish(env, "noop", n, timeout_s=timeout_s)
+    env = target.env(scheme)
+    with round_keys(env):
+        batched_s = publish(env, "noop", n, "--batch", str(BATCH_MAX_SIZE), timeout_s=timeout_s)
+    return {
+        "publish_single_per_s": (n - 1) / single_s,
+        "publish_batched_per_s": (n - 1) / batched_s,
+    }
+
+
 def latency_round(
     target: Target, scheme: str, rate: float, seconds: float, timeout_s: float
 ) -> Round:

@@ -8,7 +8,10 @@ transports pay the same import and connection costs outside the timed loop:
     python -m bench.publish stamp 2000 --rate 200      # paced: 200 tasks/s
     python -m bench.publish nap 1000 --arg 300
     python -m bench.publish drained 2000 --no-store    # Celery's and kombu's part alone
+    python -m bench.publish noop 2000 --batch 1000     # inside Producer.batch(max_size=1000)
 
+``--batch N`` publishes inside kombu 5.7's ``Producer.batch(max_size=N)``; the
+timed part ends once the batch's last flush returned (every task stored).
 ``--no-store`` replaces the transport's ``_put`` (the one call that stores a
 message in Redis) with one that stores nothing: what is left is the publish's
 cost outside the transport's own work (``bench/publish_parts.py``).
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from contextlib import nullcontext
 
 
 def main() -> None:
@@ -29,6 +33,9 @@ def main() -> None:
     ap.add_argument("--arg", type=float, default=None, help="the task's one argument")
     ap.add_argument(
         "--no-store", action="store_true", help="the transport stores nothing (see above)"
+    )
+    ap.add_argument(
+        "--batch", type=int, default=0, help="publish inside Producer.batch(max_size=N) (0: not)"
     )
     args = ap.parse_args()
 
@@ -42,13 +49,15 @@ def main() -> None:
     with b.app.producer_or_acquire() as producer:
         # Connect (and declare) before the clock starts.
         task.apply_async(args=_args(args), producer=producer, **options)
+        batch = producer.batch(max_size=args.batch) if args.batch else nullcontext()
         t0 = time.perf_counter()
-        for i in range(1, args.n):
-            if args.rate:
-                wait = t0 + i / args.rate - time.perf_counter()
-                if wait > 0:
-                    time.sleep(wait)
-            task.apply_async(args=_args(args), producer=producer, **options)
+        with batch:
+            for i in range(1, args.n):
+                if args.rate:
+                    wait = t0 + i / args.rate - time.perf_counter()
+                    if wait > 0:
+                        time.sleep(wait)
+                task.apply_async(args=_args(args), producer=producer, **options)
         elapsed = time.perf_counter() - t0
     print(elapsed, flush=True)
 

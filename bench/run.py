@@ -36,7 +36,7 @@ from bench import figures, scaling
 from bench._common import ROOT, private_redis
 from bench.figures import EMQ, STOCK, Target, median
 
-FIGURES = ("drain", "latency", "held", "delayed", "roundtrips", "idle", "scaling")
+FIGURES = ("drain", "publish", "latency", "held", "delayed", "roundtrips", "idle", "scaling")
 #: Pools of the drain figure: (pool, concurrency).
 POOLS = (("prefork", 2), ("threads", 4), ("solo", 1))
 
@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         comparisons: list[tuple[str, Callable[[str], dict[str, Any]], int]] = []
         if "drain" in chosen:
             for pool, conc in POOLS:
+                if pool not in args.pools.split(","):
+                    continue
                 for acks_late in (False, True):
                     name = f"drain:{pool}:{int(acks_late)}"
                     comparisons.append(
@@ -150,6 +152,14 @@ def main(argv: list[str] | None = None) -> int:
                             args.rounds,
                         )
                     )
+        if "publish" in chosen:
+            comparisons.append(
+                (
+                    "publish",
+                    _bind(figures.publish_round, target, n=args.tasks, timeout_s=args.timeout),
+                    args.rounds,
+                )
+            )
         if "latency" in chosen:
             comparisons.append(
                 (
@@ -334,7 +344,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--timeout", type=float, default=300, help="bound on each wait (s)")
     ap.add_argument("--rounds", type=int, help="rounds of each comparison (3)")
-    ap.add_argument("--tasks", type=int, help="tasks per drain round (2000)")
+    ap.add_argument("--tasks", type=int, help="tasks per drain and publish round (2000)")
+    ap.add_argument(
+        "--pools",
+        default=",".join(pool for pool, _ in POOLS),
+        help="pools of the drain figure (prefork,threads,solo)",
+    )
     ap.add_argument("--latency-rate", type=float, help="paced load, tasks/s (200)")
     ap.add_argument("--latency-seconds", type=float, help="paced load duration (10)")
     ap.add_argument("--held-tasks", type=int, help="tasks a worker holds (1000)")
@@ -434,11 +449,19 @@ def table_rows(
         for pool, conc in POOLS:
             for acks_late in (False, True):
                 name = f"drain:{pool}:{int(acks_late)}"
+                if name not in rounds:
+                    continue
                 label = f"drain, {pool}" + (f" -c {conc}" if pool != "solo" else "")
                 label += ", acks_late" if acks_late else ""
                 rows.append(
                     row(name.replace(":", "_"), label, "tasks/s", "higher", name, "drain_per_s")
                 )
+    if "publish" in rounds:
+        for field, label in (
+            ("publish_single_per_s", "publish rate, noop tasks one by one"),
+            ("publish_batched_per_s", "publish rate, noop tasks inside Producer.batch()"),
+        ):
+            rows.append(row(field, label, "tasks/s", "higher", "publish", field))
     if "latency" in rounds:
         pace = f"{args.latency_rate:g}/s for {args.latency_seconds:g} s"
         rows.append(

@@ -12,6 +12,7 @@ from typing import Any
 from kombu.transport import TRANSPORT_ALIASES
 
 from .errors import (
+    BatchFlushError,
     BrokerFullError,
     EmqError,
     InvalidOptionError,
@@ -25,6 +26,7 @@ from .morgue import DeadJob, Morgue
 from .options import EmqOptions
 
 __all__ = [
+    "BatchFlushError",
     "BrokerFullError",
     "DeadJob",
     "EmqError",

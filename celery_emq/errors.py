@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-from kombu.exceptions import OperationalError
+from kombu import exceptions as kombu_exceptions
+from kombu.exceptions import KombuError, OperationalError
+
+#: kombu's error for a publish batch whose flush failed (kombu 5.7+); on older
+#: kombu, whose producers have no batches, its base.
+BatchPublishError: type[KombuError] = getattr(kombu_exceptions, "BatchPublishError", KombuError)
 
 __all__ = [
+    "BatchFlushError",
     "BrokerFullError",
     "EmqError",
     "InvalidBrokerURLError",
@@ -155,3 +162,41 @@ class UnknownJobError(EmqError, LookupError):
         self,
     ) -> tuple[type[UnknownJobError], tuple[list[str], str | None, list[str]]]:
         return (type(self), (self.missing, self.queue, self.done))
+
+
+class BatchFlushError(EmqError, BatchPublishError):  # type: ignore[misc,valid-type]
+    """A publish batch's flush failed: kombu's ``BatchPublishError``, with what is known.
+
+    Every job of the flush is in exactly one of three lists, each of
+    ``(queue, job_id)``: ``stored`` (the job is in its queue), ``duplicate``
+    (a job with its id was already there: nothing changed) and ``unknown``
+    (the call carrying it failed, or its reply was lost: it may or may not be
+    stored). Publishing the ``unknown`` ones again with their job ids
+    (``emq_job_id``) stores none of them twice while they wait or run.
+    ``confirmed`` is how many replicas acknowledged the flush (``None``: not
+    asked, see ``wait_replicas``).
+    """
+
+    def __init__(
+        self,
+        reason: str,
+        stored: list[tuple[str, str]],
+        duplicate: list[tuple[str, str]],
+        unknown: list[tuple[str, str]],
+        confirmed: int | None = None,
+    ) -> None:
+        self.reason = reason
+        self.stored = stored
+        self.duplicate = duplicate
+        self.unknown = unknown
+        self.confirmed = confirmed
+        super().__init__(
+            f"publish batch flush failed ({reason}): {len(stored)} job(s) stored, "
+            f"{len(duplicate)} already there, {len(unknown)} of unknown outcome"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            type(self),
+            (self.reason, self.stored, self.duplicate, self.unknown, self.confirmed),
+        )

@@ -34,6 +34,7 @@ __all__ = [
     "UNSET",
     "Batch",
     "Claimed",
+    "NewJob",
     "Outcome",
     "Scripts",
     "Swept",
@@ -43,6 +44,7 @@ __all__ = [
 
 SCRIPT_NAMES: tuple[str, ...] = (
     "enqueue",
+    "enqueue_many",
     "claim",
     "start",
     "ack",
@@ -62,6 +64,8 @@ SCRIPT_NAMES: tuple[str, ...] = (
 
 #: Most claims one ``extend`` call carries (the rest go in further calls).
 EXTEND_BATCH = 512
+#: Most jobs one ``enqueue_many`` call adds (the rest go in further calls).
+ENQUEUE_BATCH = 500
 #: Most claims one ``ack`` call carries.
 ACK_BATCH = 500
 #: Most ids one ``retry`` or ``purge_dead`` call carries.
@@ -151,6 +155,20 @@ def new_nonce() -> str:
     by the server, so no rollback can issue it again.
     """
     return secrets.token_hex(8)
+
+
+@dataclass(frozen=True)
+class NewJob:
+    """One job for ``enqueue_many``: what one ``enqueue`` call is given."""
+
+    id: str
+    #: the message as stored (see :mod:`celery_emq.codec`)
+    payload: bytes
+    priority: int = 0
+    max_stalled: int | Unset | None = UNSET
+    group: str = ""
+    eta_ms: int | None = None
+    task_id: str = ""
 
 
 def script_source(name: str) -> str:
@@ -263,6 +281,18 @@ class Scripts:
             self._scripts["enqueue"](keys=keys, args=args, client=client)
             return Outcome.OK
         return _outcome(self._run("enqueue", keys, args), "enqueue")
+
+    def enqueue_many(
+        self, k: QueueKeys, jobs: Sequence[NewJob], now_ms: int | None, ttl_ms: int = 0
+    ) -> list[Outcome]:
+        """Add jobs as :meth:`enqueue` would, in order; one :class:`Outcome` per job.
+
+        One call per :data:`ENQUEUE_BATCH` jobs.
+        """
+        out: list[Outcome] = []
+        for keys, args, n in _enqueue_many_calls(k, jobs, now_ms, ttl_ms):
+            out.extend(_enqueue_many_outcomes(self._run("enqueue_many", keys, args), n))
+        return out
 
     def promote(
         self, k: QueueKeys, now_ms: int | None, limit: int, task_ids: Sequence[str] = ()
@@ -584,6 +614,35 @@ def _enqueue_call(
     return keys, args
 
 
+def _enqueue_many_calls(
+    k: QueueKeys, jobs: Sequence[NewJob], now_ms: int | None, ttl_ms: int
+) -> list[tuple[list[str], list[Any], int]]:
+    """The KEYS, ARGV and job count of each ``enqueue_many.lua`` call for ``jobs``."""
+    keys = [k.pending, k.wake, k.seq, k.lanes, k.expires, k.base, k.delayed, k.etas]
+    calls = []
+    for start in range(0, len(jobs), ENQUEUE_BATCH):
+        chunk = jobs[start : start + ENQUEUE_BATCH]
+        args: list[Any] = [_time_arg(now_ms), ttl_ms]
+        for job in chunk:
+            args += (
+                job.id,
+                job.payload,
+                job.priority,
+                _budget_arg(job.max_stalled),
+                job.group,
+                "" if job.eta_ms is None else job.eta_ms,
+                job.task_id,
+            )
+        calls.append((keys, args, len(chunk)))
+    return calls
+
+
+def _enqueue_many_outcomes(reply: Any, expected: int) -> list[Outcome]:
+    if len(reply) != expected:
+        raise ScriptContractError(f"enqueue_many.lua answered {len(reply)} codes")
+    return [_outcome(code, "enqueue_many") for code in reply]
+
+
 #: Replies of a call (on a cluster) that did not reach the master of its slot:
 #: it is run again alone through the cluster client, which follows the change.
 _MISSED = (MovedError, AskError, TryAgainError, ClusterDownError, ConnectionError, TimeoutError)
@@ -640,6 +699,21 @@ class Batch:
             k, job_id, payload, priority, now_ms, ttl_ms, max_stalled, group, eta_ms, task_id
         )
         return self._add([("enqueue", keys, args)], lambda replies: _outcome(replies[0], "enqueue"))
+
+    def enqueue_many(
+        self, k: QueueKeys, jobs: Sequence[NewJob], now_ms: int | None, ttl_ms: int = 0
+    ) -> int:
+        """Queue :meth:`Scripts.enqueue_many`; its result is one :class:`Outcome` per job."""
+        calls = _enqueue_many_calls(k, jobs, now_ms, ttl_ms)
+
+        def read(replies: list[Any]) -> list[Outcome]:
+            return [
+                o
+                for reply, (_keys, _args, n) in zip(replies, calls, strict=True)
+                for o in _enqueue_many_outcomes(reply, n)
+            ]
+
+        return self._add([("enqueue_many", keys, args) for keys, args, _n in calls], read)
 
     def start(self, k: QueueKeys, job_id: str, token: str) -> int:
         """Queue :meth:`Scripts.start`; its result is an :class:`Outcome`."""

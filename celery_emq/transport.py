@@ -26,13 +26,14 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 
 from ._compat import ChannelCompat
+from .batch import BATCH_ARGUMENT, PublishBatch, is_broker_full
 from .codec import unpack
 from .errors import BrokerFullError, InvalidBrokerURLError
 from .flower import register_if_loaded as register_with_flower_if_loaded
 from .lease import keeper
 from .options import EmqOptions
 from .retries import connection_retry
-from .scripts import UNSET, Claimed, Outcome, Unset
+from .scripts import UNSET, Claimed, NewJob, Outcome, Unset
 from .server import check_server
 from .settle import batcher
 from .store import JobStore
@@ -308,9 +309,15 @@ class Channel(ChannelCompat, kombu_redis.Channel):
 
     @property
     def supports_batch_publish(self) -> bool:
-        return False
+        """Whether ``Producer.batch()`` may buffer this channel's publishes (see batch.py)."""
+        return True
 
-    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+    def create_publish_batch(self, max_size: int) -> PublishBatch:
+        """kombu 5.7's hook: a batch sending its publishes together (see batch.py)."""
+        return PublishBatch(self, max_size)
+
+    def _new_job(self, message: dict[str, Any]) -> tuple[NewJob, bool]:
+        """Return the job a message becomes (its payload the JSON text), and if it is a task."""
         props = message["properties"]
         # kombu gives every publish attempt a new delivery tag, but a retry
         # (after a connection error, when Redis may have run the first attempt)
@@ -319,8 +326,6 @@ class Channel(ChannelCompat, kombu_redis.Channel):
         job_id = props.get(JOB_ID_PROPERTY) or props.get("delivery_tag") or uuid.uuid4().hex
         props[JOB_ID_PROPERTY] = job_id
         props["delivery_tag"] = job_id
-        priority = self._get_message_priority(message, reverse=False)
-        ttl_ms = self._queue_ttl.get(queue, 0)
         headers = message.get("headers") or {}
         budget: int | Unset | None = UNSET
         if BUDGET_OPTION in headers:
@@ -332,25 +337,47 @@ class Channel(ChannelCompat, kombu_redis.Channel):
         task_id = headers.get("id") if eta_ms is not None else None
         # The delivery tag and job id are the key's: not stored twice.
         stored = {**message, "properties": {k: v for k, v in props.items() if k not in _KEYED}}
+        job = NewJob(
+            job_id,
+            dumps(stored).encode(),
+            self._get_message_priority(message, reverse=False),
+            budget,
+            group,
+            eta_ms,
+            task_id if isinstance(task_id, str) else "",
+        )
+        return job, "task" in headers
+
+    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        job, is_task = self._new_job(message)
+        ttl_ms = self._queue_ttl.get(queue, 0)
+        publish_batch = kwargs.get(BATCH_ARGUMENT)
+        if isinstance(publish_batch, PublishBatch):
+            publish_batch.enqueue(queue, job, ttl_ms, is_task)
+            return
+        job_id = job.id
         try:
             outcome = self.store.enqueue(
                 queue,
                 job_id,
-                dumps(stored),
-                priority,
+                job.payload,
+                job.priority,
                 ttl_ms,
-                max_stalled=budget,
-                group=group,
-                eta_ms=eta_ms,
-                task_id=task_id if isinstance(task_id, str) else "",
+                max_stalled=job.max_stalled,
+                group=job.group,
+                eta_ms=job.eta_ms,
+                task_id=job.task_id,
             )
         except redis.ResponseError as exc:
-            # Redis 7 answers OOM; Redis 6.2 wraps it in a script error.
-            if isinstance(exc, redis.exceptions.OutOfMemoryError) or "OOM command" in str(exc):
+            if is_broker_full(exc):
                 raise BrokerFullError(queue, str(exc)) from exc
             raise
         if outcome is Outcome.DUPLICATE:
             logger.debug("celery_emq: job %s already in %s; publish ignored", job_id, queue)
+        self.note_published(queue, job_id, ttl_ms, is_task)
+
+    def note_published(self, queue: str, job_id: str, ttl_ms: int, is_task: bool) -> None:
+        """Record a queue a job was stored in: in the registry, or as an expiring queue."""
         # The job is stored: the publish has succeeded. Recording the queue
         # (kept apart; on a cluster, on another master) is tried again on the
         # next publish or consume if it fails now, and must not make a stored
@@ -358,7 +385,7 @@ class Channel(ChannelCompat, kombu_redis.Channel):
         try:
             if ttl_ms:
                 self._note_expiring(queue, ttl_ms)
-            elif "task" in headers:
+            elif is_task:
                 # A Celery task message: its queue holds work to recover and to
                 # show. Replies (remote control, rpc:// results) carry no task.
                 self._register(queue)
@@ -816,7 +843,7 @@ class Transport(kombu_redis.Transport):
         # No node of a cluster answers, or none serves a slot (SlotNotCoveredError).
         redis.exceptions.RedisClusterException,
     )
-    implements = kombu_redis.Transport.implements.extend(batch_publish=False)
+    implements = kombu_redis.Transport.implements.extend(batch_publish=True)
 
     def __init__(self, client: Any, *args: Any, **kwargs: Any) -> None:
         # Read the URL before anything connects: a form kombu does not know
@@ -834,4 +861,5 @@ class Transport(kombu_redis.Transport):
 
     @property
     def supports_batch_publish(self) -> bool:
-        return False
+        """Batches are safe to send again (see batch.py), whatever the retry options."""
+        return True

@@ -65,6 +65,8 @@ def test_quick_run_takes_every_figure(tmp_path: Path) -> None:
 
     compared = [
         "publish_per_s",
+        "publish_single_per_s",
+        "publish_batched_per_s",
         *(f"drain_{pool}_{late}" for pool in ("prefork", "threads", "solo") for late in (0, 1)),
         "latency_p50_ms",
         "latency_p99_ms",

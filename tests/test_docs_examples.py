@@ -59,6 +59,7 @@ def test_the_marked_examples_are_there() -> None:
         "examples/testing/tasks.py",
         "examples/testing/test_tasks.py",
         "examples/testing/test_crash.py",
+        "examples/batch_publish/app.py",
     } <= shown
 
 

@@ -14,7 +14,14 @@ EXAMPLES = sorted(p.parent.name for p in (ROOT / "examples").glob("*/run.py"))
 
 
 def test_every_scenario_is_here() -> None:
-    assert EXAMPLES == ["beat_sweep", "dead_letter_handler", "fair_lanes", "flower", "quickstart"]
+    assert EXAMPLES == [
+        "batch_publish",
+        "beat_sweep",
+        "dead_letter_handler",
+        "fair_lanes",
+        "flower",
+        "quickstart",
+    ]
     for name in EXAMPLES:
         assert (ROOT / "examples" / name / "README.md").exists()
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from celery_emq.keys import QueueKeys
-from celery_emq.scripts import SCRIPT_NAMES, Scripts, script_source
+from celery_emq.scripts import SCRIPT_NAMES, NewJob, Scripts, script_source
 
 HEADER = re.compile(r"^\s*(KEYS|ARGV)\[(\d+)(\.\.)?\]", re.M)
 KEY_LINE = re.compile(r"^\s*KEYS\[(\d+)\]\s+\w+\s+<p>:(\S+)", re.M)
@@ -63,10 +63,12 @@ def reply(source: str) -> Any:
 
 Call = Callable[[Scripts, QueueKeys], Any]
 PAIRS = [("a", 1), ("b", 2)]
+JOBS = [NewJob("a", b"{}"), NewJob("b", b"{}", 3, None, "g", 5, "t")]
 
 #: One call per script, and how many ARGV items it sends past the fixed ones.
 CALLS: dict[str, tuple[Call, int]] = {
     "enqueue": (lambda s, k: s.enqueue(k, "id", b"{}", 0, 1), 0),
+    "enqueue_many": (lambda s, k: s.enqueue_many(k, JOBS, 1, 10), 14),
     "claim": (lambda s, k: s.claim(k, 1, 1000, "w", 1), 0),
     "start": (lambda s, k: s.start(k, "id", 1), 0),
     "ack": (lambda s, k: s.ack(k, PAIRS), 4),
@@ -87,6 +89,7 @@ CALLS: dict[str, tuple[Call, int]] = {
 #: Calls that leave the time to the Redis server (``now_ms=None``).
 SERVER_TIME: dict[str, Call] = {
     "enqueue": lambda s, k: s.enqueue(k, "id", b"{}", 0, None),
+    "enqueue_many": lambda s, k: s.enqueue_many(k, JOBS, None),
     "claim": lambda s, k: s.claim(k, None, 1000, "w", 1),
     "extend": lambda s, k: s.extend(k, 1000, None, PAIRS),
     "bury": lambda s, k: s.bury(k, "id", 1, "r", "e", None),

@@ -69,6 +69,19 @@ def drain(conn: Connection, got: list[Any], n: int, timeout: float = 10) -> None
             pass
 
 
+def consume(conn: Connection, queues: list[Queue], n: int) -> list[int]:
+    """Ack up to ``n`` messages from ``queues``; return the ``i`` of each body."""
+    got: list[int] = []
+
+    def on_message(body: Any, message: Any) -> None:
+        got.append(body["i"])
+        message.ack()
+
+    with Consumer(conn.channel(), queues, callbacks=[on_message], accept=["json"]):
+        drain(conn, got, n)
+    return got
+
+
 def test_a_cluster_url_runs_the_store_on_redis_cluster(connect: ConnFactory) -> None:
     channel = connect().channel()
     assert isinstance(channel, ClusterChannel)
@@ -84,16 +97,7 @@ def test_queues_in_several_slots_are_consumed_and_acked(
     for i in range(20):
         q = queues[i % 5]
         producer.publish({"i": i}, exchange=q.exchange, routing_key=q.routing_key, declare=[q])
-    conn = connect()
-    got: list[int] = []
-
-    def on_message(body: Any, message: Any) -> None:
-        got.append(body["i"])
-        message.ack()
-
-    with Consumer(conn.channel(), queues, callbacks=[on_message], accept=["json"]):
-        drain(conn, got, 20)
-    assert sorted(got) == list(range(20))
+    assert sorted(consume(connect(), queues, 20)) == list(range(20))
     store = JobStore(cluster_client, cluster_prefix + "emq", 30_000)
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and any(
@@ -104,6 +108,26 @@ def test_queues_in_several_slots_are_consumed_and_acked(
         {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
     ] * 5
     assert sum(store.metrics(n)["completed"] for n in names) == 20
+
+
+@pytest.mark.skipif(not hasattr(Producer, "batch"), reason="kombu before 5.7")
+def test_a_publish_batch_stores_each_queue_on_the_master_of_its_slot(
+    connect: ConnFactory, cluster_client: RedisCluster, cluster_prefix: str
+) -> None:
+    names = spread_names(4)
+    queues = [queue(n) for n in names]
+    producer = Producer(connect().channel())
+    for q in queues:
+        q(producer.channel).declare()
+    store = JobStore(cluster_client, cluster_prefix + "emq", 30_000)
+    with producer.batch(max_size=30):
+        for i in range(40):
+            q = queues[i % 4]
+            producer.publish({"i": i}, exchange=q.exchange, routing_key=q.routing_key)
+        # One flush at 30, spread over the four queues' slots.
+        assert sum(store.size(n) for n in names) == 30
+    assert [store.size(n) for n in names] == [10] * 4
+    assert sorted(consume(connect(), queues, 40)) == list(range(40))
 
 
 #: Commands of the cluster itself (replicas acknowledge their offset every second)

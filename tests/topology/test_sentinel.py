@@ -93,6 +93,25 @@ def test_publish_and_consume_through_the_master_sentinel_names(
     assert port == sentinel_topology.master.port
 
 
+@pytest.mark.skipif(not hasattr(Producer, "batch"), reason="kombu before 5.7")
+def test_a_publish_batch_goes_to_the_master_sentinel_names(
+    sentinel_topology: SentinelTopology, conn: Connection, prefix: str
+) -> None:
+    q = queue()
+    producer = Producer(conn)
+    q(producer.channel).declare()
+    master = redis.Redis.from_url(sentinel_topology.master_url(3))
+    try:
+        with producer.batch(max_size=4):
+            for i in range(6):
+                producer.publish({"n": i}, exchange=q.exchange, routing_key="q")
+            assert master.zcard(f"{prefix}emq:{{q}}:pending") == 4
+        assert master.zcard(f"{prefix}emq:{{q}}:pending") == 6
+    finally:
+        master.close()
+    assert drain(conn, q, 6) == [{"n": i} for i in range(6)]
+
+
 def test_fanout_goes_through_pub_sub_on_the_master(conn: Connection) -> None:
     # Remote control and events travel this way (PUBLISH / SUBSCRIBE).
     exchange = Exchange("bcast", "fanout")

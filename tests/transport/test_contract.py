@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -19,22 +18,7 @@ from celery_emq.scripts import Batch
 from celery_emq.store import JobStore
 from celery_emq.sweeper import Sweeper
 from tests.conftest import CLUSTER, servers_of
-
-ConnFactory = Callable[..., Connection]
-
-
-@pytest.fixture
-def connect(broker_url: str, prefix: str) -> Iterator[ConnFactory]:
-    opened: list[Connection] = []
-
-    def factory(**topts: Any) -> Connection:
-        conn = Connection(broker_url, transport_options={"global_keyprefix": prefix, **topts})
-        opened.append(conn)
-        return conn
-
-    yield factory
-    for conn in opened:
-        conn.release()
+from tests.transport.conftest import ConnFactory
 
 
 @pytest.fixture

@@ -1,0 +1,110 @@
+--[[ enqueue_many: add many new jobs to one queue, each exactly as enqueue.lua would.
+  KEYS[1] pending   <p>:{q}:pending (ZSET)
+  KEYS[2] wake      <p>:{q}:wake (LIST, one marker per claimable job)
+  KEYS[3] seq       <p>:{q}:seq (STRING, tail sequence)
+  KEYS[4] lanes     <p>:{q}:lanes (ZSET of groups with a lane, score 0)
+  KEYS[5] expires   <p>:{q}:expires (STRING, present while an x-expires queue is in use)
+  KEYS[6] base      <p>:{q}: (job rows, messages and lane keys derive from it)
+  KEYS[7] delayed   <p>:{q}:delayed (ZSET, score = ETA ms)
+  KEYS[8] etas      <p>:{q}:etas (HASH, Celery task id -> job id of delayed jobs)
+  ARGV[1] now_ms    '' takes the Redis server's clock
+  ARGV[2] ttl_ms    > 0 for an x-expires queue: a publish is a use, so the queue lives on
+  ARGV[3..] seven items per job, in publish order: id, message, priority (0..9),
+            max_stalled ('' = the sweep's default, -1 = never), group ('' = the
+            default lane), eta_ms ('' or when it is due), task_id ('' if none)
+  Returns one code per job, in order: 0 OK, 3 DUPLICATE (a job with this id exists,
+  or came earlier in the same call; nothing changed for it).
+  One call does the work of as many enqueue.lua calls, in their order: the same row,
+  message, lane and FIFO sequence per job. The tail sequence is read and written
+  once, and one LPUSH carries the wake markers (still one per claimable job, so as
+  many waiting consumers wake as before).
+]]
+local pending, wake, seq, lanes = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local expires, base, delayed, etas = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+local ttl_ms = tonumber(ARGV[2])
+local now_ms = tonumber(ARGV[1])
+if not now_ms then
+  local t = redis.call('TIME')
+  now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- Priority bands are 2^40 wide: FIFO within a band by the tail sequence.
+local BAND = 1099511627776
+-- Wake markers pushed per LPUSH (bounds the arguments unpacked at once).
+local MARKERS = 1000
+
+local n = tonumber(redis.call('GET', seq) or '0')
+local first_n = n
+local codes = {}
+local grouped = {}
+for i = 3, #ARGV, 7 do
+  local id, message, priority = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
+  local max_stalled, group = ARGV[i + 3], ARGV[i + 4]
+  local eta_ms, task_id = tonumber(ARGV[i + 5]), ARGV[i + 6]
+  local job = base .. 'job:' .. id
+  if redis.call('EXISTS', job) == 1 then
+    codes[#codes + 1] = 3
+  else
+    redis.call('SET', base .. 'msg:' .. id, message)
+    local row = {'state', 'pending', 'enqueued_ms', now_ms}
+    if priority ~= 0 then
+      row[#row + 1], row[#row + 2] = 'priority', priority
+    end
+    if max_stalled ~= '' then
+      row[#row + 1], row[#row + 2] = 'max_stalled', max_stalled
+    end
+    if group ~= '' then
+      row[#row + 1], row[#row + 2] = 'group', group
+    end
+    if eta_ms and eta_ms > now_ms then
+      -- Not due yet: promoted into its queue or lane by promote.lua once it is.
+      row[2] = 'delayed'
+      row[#row + 1], row[#row + 2] = 'eta_ms', eta_ms
+      if task_id ~= '' then
+        row[#row + 1], row[#row + 2] = 'task', task_id
+        redis.call('HSET', etas, task_id, id)
+      end
+      redis.call('HSET', job, unpack(row))
+      redis.call('ZADD', delayed, eta_ms, id)
+    else
+      redis.call('HSET', job, unpack(row))
+      n = n + 1
+      local lane = pending
+      if group ~= '' then
+        lane = base .. 'g:' .. group .. ':pending'
+        if not grouped[group] then
+          grouped[group] = true
+          redis.call('ZADD', lanes, 0, group)
+        end
+      end
+      redis.call('ZADD', lane, priority * BAND + n, id)
+    end
+    codes[#codes + 1] = 0
+  end
+end
+
+local claimable = n - first_n
+if claimable > 0 then
+  redis.call('SET', seq, n)
+  local markers = {}
+  for i = 1, math.min(claimable, MARKERS) do
+    markers[i] = 1
+  end
+  local left = claimable
+  while left > 0 do
+    local now = math.min(left, MARKERS)
+    if now < #markers then
+      for i = now + 1, #markers do
+        markers[i] = nil
+      end
+    end
+    redis.call('LPUSH', wake, unpack(markers))
+    left = left - now
+  end
+end
+-- Rows never expire one by one: an x-expires queue expires as a whole once
+-- unused for ttl_ms (the sweep purges it when this key is gone).
+if ttl_ms > 0 then
+  redis.call('SET', expires, 1, 'PX', ttl_ms)
+end
+return codes
