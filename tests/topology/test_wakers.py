@@ -46,19 +46,24 @@ def test_a_waker_keeps_waiting_after_its_client_failed_to_connect(
     _publish(connect(), name, {"warm": 1})
     conn = connect()
     got: list[Any] = []
-    real = celery_emq.cluster.RedisCluster
+    real = celery_emq.cluster.cluster_class
     failures = [1]
 
-    def flaky(**kwargs: Any) -> Any:
-        if failures:
-            failures.pop()
-            raise RedisClusterException("Redis Cluster cannot be connected")
-        return real(**kwargs)
+    def flaky(retries: int) -> Any:
+        cls = real(retries)
+
+        def build(**kwargs: Any) -> Any:
+            if failures:
+                failures.pop()
+                raise RedisClusterException("Redis Cluster cannot be connected")
+            return cls(**kwargs)
+
+        return build
 
     with Consumer(conn.channel(), [queue(name)], callbacks=[lambda b, m: (got.append(b), m.ack())]):
         # The store's client exists (the declare used it): the next client
         # built is the wakers'.
-        monkeypatch.setattr(celery_emq.cluster, "RedisCluster", flaky)
+        monkeypatch.setattr(celery_emq.cluster, "cluster_class", flaky)
         drain(conn, got, 1, timeout=5)
         assert not failures
         assert got == [{"warm": 1}]
