@@ -206,10 +206,16 @@ class LeaseKeeper:
                 self._unseen.pop(tag, None)  # it finished: its ack settles it
         self._wake.set()
 
-    def owed_count(self) -> int:
-        """Return how many finished claims wait for their ack to get through."""
+    def owed_count(self, prefix: str = "") -> int:
+        """Return how many finished claims wait for their ack to get through.
+
+        Only those of stores whose key prefix starts with ``prefix``, when given.
+        """
         with self._lock:
-            return len(self._owed)
+            if not prefix:
+                return len(self._owed)
+            held = [self._held.get(t) for t in self._owed]
+            return sum(1 for c in held if c is not None and c.store.prefix.startswith(prefix))
 
     def _settle_owed(self, claims: list[tuple[str, Claim]]) -> int:
         """Ack ``claims`` whose ack failed before; return how many went through."""
@@ -302,10 +308,13 @@ class LeaseKeeper:
         with self._lock:
             return any(c.store is store for c in self._held.values())
 
-    def held_count(self) -> int:
-        """Return how many claims this process holds."""
+    def held_count(self, prefix: str = "") -> int:
+        """Return how many claims this process holds.
+
+        Only those of stores whose key prefix starts with ``prefix``, when given.
+        """
         with self._lock:
-            return len(self._held)
+            return sum(1 for c in self._held.values() if c.store.prefix.startswith(prefix))
 
     def is_lost(self, tag: str) -> bool:
         """Return whether a held claim's lease was found lost."""

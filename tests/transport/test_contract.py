@@ -68,14 +68,16 @@ def publish(conn: Connection, q: Queue, bodies: list[Any], **kw: Any) -> None:
         )
 
 
-def test_roundtrip_acks_and_leaves_no_job(connect: ConnFactory, store: JobStore) -> None:
+def test_roundtrip_acks_and_leaves_no_job(
+    connect: ConnFactory, store: JobStore, prefix: str
+) -> None:
     conn, q = connect(), queue()
     publish(conn, q, [{"n": i} for i in range(10)])
     assert store.counts("q") == {"pending": 10, "active": 0, "delayed": 0, "dead": 0}
     got = drain(conn, q, 10)
     assert [b["n"] for b, _ in got] == list(range(10))
     assert store.counts("q") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
-    assert keeper().held_count() == 0
+    assert keeper().held_count(prefix) == 0
 
 
 def test_lower_priority_number_is_consumed_first(connect: ConnFactory) -> None:
@@ -159,7 +161,7 @@ def test_malformed_payload_is_dead_lettered_and_consuming_goes_on(
 
 
 def test_a_body_kombu_cannot_decode_is_dead_lettered_not_redelivered(
-    connect: ConnFactory, store: JobStore
+    connect: ConnFactory, store: JobStore, prefix: str
 ) -> None:
     conn, q = connect(), queue()
     publish(conn, q, ["before"])
@@ -177,10 +179,12 @@ def test_a_body_kombu_cannot_decode_is_dead_lettered_not_redelivered(
         "encoding": ("dead", "malformed"),
     }
     assert store.counts("q") == {"pending": 0, "active": 0, "delayed": 0, "dead": 2}
-    assert keeper().held_count() == 0
+    assert keeper().held_count(prefix) == 0
 
 
-def test_closing_a_channel_releases_unacked_at_once(connect: ConnFactory, store: JobStore) -> None:
+def test_closing_a_channel_releases_unacked_at_once(
+    connect: ConnFactory, store: JobStore, prefix: str
+) -> None:
     conn, q = connect(), queue()
     publish(conn, q, ["a", "b", "c"])
     got = drain(conn, q, 3, ack=False)
@@ -191,11 +195,11 @@ def test_closing_a_channel_releases_unacked_at_once(connect: ConnFactory, store:
     for _, message in got:
         row = store.job("q", job_id(message))
         assert (row["state"], row["stalled"]) == ("pending", "0")
-    assert keeper().held_count() == 0
+    assert keeper().held_count(prefix) == 0
 
 
 def test_a_release_that_fails_strands_no_other_claim(
-    connect: ConnFactory, store: JobStore, monkeypatch: pytest.MonkeyPatch
+    connect: ConnFactory, store: JobStore, monkeypatch: pytest.MonkeyPatch, prefix: str
 ) -> None:
     conn, q = connect(), queue()
     publish(conn, q, ["a", "b", "c"])
@@ -214,13 +218,13 @@ def test_a_release_that_fails_strands_no_other_claim(
     channel.close()
     # Nothing is left renewed for ever: the one release that failed is let go
     # (its lease lapses), the other two went back at once.
-    assert keeper().held_count() == 0
+    assert keeper().held_count(prefix) == 0
     assert store.counts("q") == {"pending": 2, "active": 1, "delayed": 0, "dead": 0}
     assert store.client.zrange(store.keys("q").active, 0, -1) == [failed[0].encode()]
 
 
 def test_an_ack_that_fails_keeps_the_claim_and_goes_through_later(
-    connect: ConnFactory, store: JobStore, monkeypatch: pytest.MonkeyPatch
+    connect: ConnFactory, store: JobStore, monkeypatch: pytest.MonkeyPatch, prefix: str
 ) -> None:
     conn, q = connect(), queue()
     publish(conn, q, ["a", "b"])
@@ -244,16 +248,18 @@ def test_an_ack_that_fails_keeps_the_claim_and_goes_through_later(
     for _, message in got:
         message.ack()  # the tasks finished while Redis was unreachable
     # The claims stay held and renewed (no lapse, no stall, no second run) ...
-    assert keeper().owed_count() == 2
+    assert keeper().owed_count(prefix) == 2
     assert store.counts("q") == {"pending": 0, "active": 2, "delayed": 0, "dead": 0}
     # ... and the keeper acks them once Redis answers again.
     down[0] = False
     deadline = time.monotonic() + 10
     # The keeper forgets the claims just after Redis answered its ack.
-    while (store.counts("q")["active"] or keeper().held_count()) and time.monotonic() < deadline:
+    while (
+        store.counts("q")["active"] or keeper().held_count(prefix)
+    ) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert store.counts("q") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
-    assert keeper().owed_count() == keeper().held_count() == 0
+    assert keeper().owed_count(prefix) == keeper().held_count(prefix) == 0
     assert store.metrics("q")["completed"] == 2
 
 
@@ -386,7 +392,7 @@ def test_an_expiring_queue_is_marked_in_use_and_its_rows_never_expire(
 
 
 def test_a_no_ack_consumer_leaves_no_job_and_holds_no_claim(
-    connect: ConnFactory, store: JobStore
+    connect: ConnFactory, store: JobStore, prefix: str
 ) -> None:
     conn, q = connect(), queue()
     publish(conn, q, ["a", "b", "c"])
@@ -403,7 +409,7 @@ def test_a_no_ack_consumer_leaves_no_job_and_holds_no_claim(
     assert got == ["a", "b", "c"]
     assert store.counts("q") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
     assert store.metrics("q")["completed"] == 3
-    assert keeper().held_count() == 0
+    assert keeper().held_count(prefix) == 0
 
 
 def test_fanout_broadcast_still_works(connect: ConnFactory) -> None:
