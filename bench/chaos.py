@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.chaos_app import TASK_NAME, make_conf, parse_max_stalled
 from bench.chaos_verdict import Kill, Ledger, LostWrites, Restart, judge
-from celery_emq.store import JobStore
+from celery_emq.store.jobstore import JobStore
 
 ROOT = Path(__file__).resolve().parents[1]
 QUEUE = "celery"

@@ -23,7 +23,7 @@ from typing import Any
 from celery import Celery
 
 import celery_emq  # noqa: F401  (registers emq://)
-from celery_emq.worker_state import request_claim
+from celery_emq.worker.state import request_claim
 
 TASK_NAME = "chaos.work"
 

@@ -32,8 +32,8 @@ from bench._common import (
     scan_delete,
     tree_rss_bytes,
 )
-from celery_emq.status import queue_status
-from celery_emq.store import JobStore
+from celery_emq.store.jobstore import JobStore
+from celery_emq.store.status import queue_status
 
 STOCK, EMQ = "redis", "emq"
 #: The one queue every round publishes to (Celery's default).

@@ -66,7 +66,7 @@ def _store_nothing() -> None:
     """Make both transports' ``_put`` a no-op (everything before it still runs)."""
     from kombu.transport import redis as kombu_redis
 
-    from celery_emq import transport
+    from celery_emq.transport import channel as transport
 
     def put(self: object, queue: str, message: dict[str, object], **kwargs: object) -> None:
         return None

@@ -19,9 +19,9 @@ import uuid
 import redis
 
 from bench._common import private_redis, scan_delete
-from celery_emq.codec import pack
-from celery_emq.scripts import NewJob
-from celery_emq.store import JobStore
+from celery_emq.store.codec import pack
+from celery_emq.store.jobstore import JobStore
+from celery_emq.store.scripts import NewJob
 
 #: A Celery task message as ``emq://`` stores it (JSON text, 930 bytes).
 MESSAGE = (

@@ -28,9 +28,9 @@ import redis
 from bench._common import accounted, dataset_bytes, private_redis
 from bench.figures import _pct
 from celery_emq.options import EmqOptions
-from celery_emq.status import queue_status
-from celery_emq.store import JobStore
-from celery_emq.sweeper import Sweeper
+from celery_emq.store.jobstore import JobStore
+from celery_emq.store.status import queue_status
+from celery_emq.transport.sweeper import Sweeper
 
 PREFIX = "emqbench"
 #: Leases long enough that nothing lapses while the figures are taken.
@@ -155,7 +155,7 @@ def flower_length(url: str) -> Callable[[], int] | None:
         from flower.utils.broker import Broker
     except ImportError:
         return None
-    from celery_emq.flower import register
+    from celery_emq.ops.flower import register
 
     register()
     emq_url = url.replace("redis://", "emq://", 1)

@@ -27,8 +27,8 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import add_redis_options
-from celery_emq.metrics import EmqCollector
-from celery_emq.store import JobStore
+from celery_emq.ops.metrics import EmqCollector
+from celery_emq.store.jobstore import JobStore
 
 _sent = 0
 

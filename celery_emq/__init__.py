@@ -1,7 +1,9 @@
 """celery_emq: a Celery/Kombu transport on Redis with leases and counted stall recovery.
 
 Importing this package registers the ``emq://`` and ``emqs://`` (TLS) broker URL
-schemes with kombu; nothing else happens at import time.
+schemes with kombu, and asks to hear when a Celery worker initialises or a
+transport starts (to install the worker's hooks there, and to teach a loaded
+Flower the schemes); nothing else happens at import time.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from typing import Any
 
 from kombu.transport import TRANSPORT_ALIASES
 
-from .errors import (
+from celery_emq._moved import install as _install_moved
+from celery_emq.errors import (
     BatchFlushError,
     BrokerFullError,
     EmqError,
@@ -22,8 +25,7 @@ from .errors import (
     StalledJobError,
     UnknownJobError,
 )
-from .morgue import DeadJob, Morgue
-from .options import EmqOptions
+from celery_emq.options import EmqOptions
 
 __all__ = [
     "BatchFlushError",
@@ -42,9 +44,18 @@ __all__ = [
 ]
 
 
+def __getattr__(name: str) -> Any:
+    # The morgue is read on demand: importing the package stays light.
+    if name in ("DeadJob", "Morgue"):
+        from celery_emq.ops import morgue
+
+        return getattr(morgue, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def schedule_sweep(app: Any, every_s: float = 30.0, queues: Any = None) -> dict[str, Any]:
     """Schedule the ``celery_emq.sweep`` task with beat; see :mod:`celery_emq.tasks`."""
-    from .tasks import schedule_sweep as schedule
+    from celery_emq.ops.tasks import schedule_sweep as schedule
 
     return schedule(app, every_s, queues)
 
@@ -53,11 +64,10 @@ __version__ = "0.2.0"
 
 _TRANSPORT = "celery_emq.transport:Transport"
 
-# Registering the URL schemes is the one thing importing this package does:
-# with kombu always, and with Flower's broker client when Flower is loaded.
-# A URL listing alternates ("emq+sentinel://a;emq+sentinel://b") makes kombu
-# read the next one whole after a connection error: its scheme is then the
-# transport's name, so each form is an alias too.
+# The URL schemes, registered with kombu. A URL listing alternates
+# ("emq+sentinel://a;emq+sentinel://b") makes kombu read the next one whole
+# after a connection error: its scheme is then the transport's name, so each
+# form is an alias too.
 for _scheme in (
     "emq",
     "emqs",
@@ -71,6 +81,13 @@ for _scheme in (
             stacklevel=2,
         )
 
-from .flower import register_if_loaded as _register_with_flower  # noqa: E402
+# What runs in a Celery worker is told of the worker (and its hooks installed
+# there, only there), and Flower of the schemes, as a transport starts.
+from celery_emq.ops.flower import register_if_loaded as _register_with_flower  # noqa: E402
+from celery_emq.transport.process import on_transport_start as _on_transport_start  # noqa: E402
+from celery_emq.worker.state import attach as _attach_worker  # noqa: E402
 
+_install_moved()
+_attach_worker()
+_on_transport_start(_register_with_flower)
 _register_with_flower()

@@ -1,16 +1,17 @@
-"""The one rooted error hierarchy of celery_emq."""
+"""The one rooted error hierarchy of celery_emq.
+
+Every layer may raise these; they import nothing but the standard library. The
+errors the transport raises through kombu are kombu's errors too: the
+transport raises subclasses of :class:`BrokerFullError`,
+:class:`ReplicasUnconfirmedError` and :class:`BatchFlushError` that are also
+kombu's ``OperationalError`` or ``BatchPublishError`` (see
+:mod:`celery_emq.transport.errors`), so an ``except`` on either catches them.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
-
-from kombu import exceptions as kombu_exceptions
-from kombu.exceptions import KombuError, OperationalError
-
-#: kombu's error for a publish batch whose flush failed (kombu 5.7+); on older
-#: kombu, whose producers have no batches, its base.
-BatchPublishError: type[KombuError] = getattr(kombu_exceptions, "BatchPublishError", KombuError)
 
 __all__ = [
     "BatchFlushError",
@@ -47,11 +48,12 @@ class InvalidQueueNameError(EmqError, ValueError):
     """A queue name cannot be stored (it would not share one hash slot)."""
 
 
-class BrokerFullError(EmqError, OperationalError):
+class BrokerFullError(EmqError):
     """Redis refused a publish: it reached ``maxmemory`` and evicts nothing.
 
     Nothing of the job was written (a script is refused at its first write).
-    A kombu ``OperationalError`` too, so code that catches those still does.
+    What the transport raises is a kombu ``OperationalError`` too, so code that
+    catches those still does.
     """
 
     def __init__(self, queue: str, detail: str) -> None:
@@ -104,7 +106,7 @@ class InvalidBrokerURLError(EmqError, ValueError):
     """
 
 
-class ReplicasUnconfirmedError(EmqError, OperationalError):
+class ReplicasUnconfirmedError(EmqError):
     """Fewer replicas than ``wait_replicas`` confirmed a publish within ``wait_timeout_ms``.
 
     The job is stored on the master (the write itself succeeded) but may or may
@@ -164,8 +166,8 @@ class UnknownJobError(EmqError, LookupError):
         return (type(self), (self.missing, self.queue, self.done))
 
 
-class BatchFlushError(EmqError, BatchPublishError):  # type: ignore[misc,valid-type]
-    """A publish batch's flush failed: kombu's ``BatchPublishError``, with what is known.
+class BatchFlushError(EmqError):
+    """A publish batch's flush failed, with what is known (kombu's ``BatchPublishError`` too).
 
     Every job of the flush is in exactly one of three lists, each of
     ``(queue, job_id)``: ``stored`` (the job is in its queue), ``duplicate``

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .errors import InvalidOptionError
+from celery_emq.errors import InvalidOptionError
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("EMQ_DEMO_REDIS_URL", "redis://127.0.0.1:6379/13")
 
 from celery_emq import StalledJobError  # noqa: E402
-from celery_emq.store import JobStore  # noqa: E402
+from celery_emq.store.jobstore import JobStore  # noqa: E402
 from examples._support import clean, running, wait_for, worker  # noqa: E402
 from examples.demo_app import LEASE_MS, PREFIX, REDIS_URL, app  # noqa: E402
 

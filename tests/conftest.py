@@ -12,8 +12,8 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_emq.lease import LeaseKeeper
-from celery_emq.store import JobStore
+from celery_emq.store.jobstore import JobStore
+from celery_emq.transport.lease import LeaseKeeper
 
 #: The Redis the tests talk to; a database of their own on the machine's server.
 #: Always a direct URL (the master's): the result backend and key inspection use it.
@@ -33,7 +33,7 @@ def broker_client() -> Any:
         from kombu import Connection
         from redis.cluster import ClusterNode, RedisCluster
 
-        from celery_emq.topology import target_of
+        from celery_emq.store.topology import target_of
 
         nodes = target_of(Connection(BROKER_URL)).nodes
         return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes])

@@ -45,7 +45,7 @@ def test_an_in_process_worker_leaves_no_node_behind(celery_app: Any, redis_url: 
     # that ran inside this process and stopped must not be named afterwards.
     from celery.contrib.testing.worker import start_worker
 
-    from celery_emq import worker_state
+    from celery_emq.worker import state as worker_state
 
     with start_worker(celery_app, pool="threads", perform_ping_check=False) as w:
         assert worker_state.worker_nodename() == w.hostname

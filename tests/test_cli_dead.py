@@ -10,9 +10,9 @@ import redis
 from celery import Celery
 from click.testing import CliRunner, Result
 
-from celery_emq import cli
-from celery_emq.cli import emq as emq_cli
-from celery_emq.store import JobStore
+from celery_emq.ops import cli
+from celery_emq.ops.cli import emq as emq_cli
+from celery_emq.store.jobstore import JobStore
 from tests.test_morgue import snapshot, two_dead
 
 __all__ = ["two_dead"]  # the fixture the `dead` one builds on

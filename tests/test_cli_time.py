@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from celery_emq import cli
-from celery_emq.store import JobStore
+from celery_emq.ops import cli
+from celery_emq.store.jobstore import JobStore
 
 
 def test_a_duration_ago_is_taken_from_the_server_clock(

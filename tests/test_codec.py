@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from celery_emq.codec import MIN_COMPRESS, V1, pack, unpack
+from celery_emq.store.codec import MIN_COMPRESS, V1, pack, unpack
 
 #: A Celery protocol 2 task message as kombu hands it to a transport.
 MESSAGE = json.dumps(

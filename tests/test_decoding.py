@@ -11,8 +11,8 @@ from celery import Celery
 from kombu import Connection, Consumer, Exchange, Queue
 
 from celery_emq import Morgue
-from celery_emq.jobs import describe
-from celery_emq.store import JobStore
+from celery_emq.store.jobstore import JobStore
+from celery_emq.transport.jobs import describe
 
 #: What unpickling a :class:`Tripwire` did (it must stay empty unless pickle is accepted).
 UNPICKLED: list[str] = []

@@ -17,8 +17,8 @@ import pytest
 import redis
 from redis.sentinel import MasterNotFoundError
 
-from celery_emq import discovery
-from celery_emq.discovery import BoundedSentinel, not_answering
+from celery_emq.store import discovery
+from celery_emq.store.discovery import BoundedSentinel, not_answering
 
 NAME = "m"
 _ports = itertools.count(61000)

@@ -9,10 +9,10 @@ import pytest
 from celery import Celery
 from celery.signals import task_postrun, task_prerun, task_success
 
-from celery_emq import worker_state
-from celery_emq.lease import keeper
-from celery_emq.settle import batcher
-from celery_emq.store import JobStore
+from celery_emq.store.jobstore import JobStore
+from celery_emq.transport.lease import keeper
+from celery_emq.transport.settle import batcher
+from celery_emq.worker import state as worker_state
 
 
 @pytest.fixture

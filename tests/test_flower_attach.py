@@ -15,9 +15,9 @@ from flower.options import default_options
 from prometheus_client import REGISTRY
 from tornado.httputil import HTTPHeaders, HTTPServerRequest, RequestStartLine
 
-from celery_emq import flower as emq_flower
-from celery_emq.metrics import EmqCollector
-from celery_emq.morgue_page import JobPage, MorguePage, Retry
+from celery_emq.ops import flower as emq_flower
+from celery_emq.ops.metrics import EmqCollector
+from celery_emq.ops.morgue_page import JobPage, MorguePage, Retry
 
 
 @pytest.fixture

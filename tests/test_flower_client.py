@@ -15,7 +15,7 @@ def test_queue_lengths_close_a_client_without_aclose(redis_url: str, prefix: str
     pytest.importorskip("flower")
     from flower.utils.broker import Broker
 
-    from celery_emq.flower import register
+    from celery_emq.ops.flower import register
 
     assert register()
     broker = Broker(

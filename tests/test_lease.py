@@ -6,8 +6,8 @@ import time
 import pytest
 import redis
 
-from celery_emq.lease import Claim, LeaseKeeper, delivery_tag, parse_tag
-from celery_emq.store import JobStore
+from celery_emq.store.jobstore import JobStore
+from celery_emq.transport.lease import Claim, LeaseKeeper, delivery_tag, parse_tag
 from tests.conftest import ManualKeeper
 
 
@@ -98,7 +98,7 @@ def test_a_fenced_release_changes_nothing_and_says_so_once(
     [live] = store.claim("q", "other", now_ms=7000)
     k = ManualKeeper("me")
     [tag] = k.hold(store, "q", [(stale.id, stale.token)], interval_ms=60_000)
-    with caplog.at_level(logging.WARNING, logger="celery_emq.lease"):
+    with caplog.at_level(logging.WARNING, logger="celery_emq.transport.lease"):
         k.release(tag)
     fenced = [r for r in caplog.records if "fenced" in r.getMessage()]
     assert [r.getMessage() for r in fenced] == [

@@ -11,13 +11,13 @@ from redis.backoff import NoBackoff
 from redis.connection import AbstractConnection
 from redis.retry import Retry
 
-from celery_emq.store import JobStore
+from celery_emq.store.jobstore import JobStore
 
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from celery_emq.metrics import EmqCollector  # noqa: E402
+from celery_emq.ops.metrics import EmqCollector  # noqa: E402
 
 NOW = 10_000_000
 
@@ -237,7 +237,7 @@ def test_the_oldest_lease_is_found_however_many_claims_are_held(store: JobStore)
 def test_ages_read_past_the_first_page_of_lanes_and_claims(
     store: JobStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from celery_emq import store as store_module
+    from celery_emq.store import jobstore as store_module
 
     monkeypatch.setattr(store_module, "OLDEST_LANE_PAGE", 2)
     monkeypatch.setattr(store_module, "ACTIVE_PAGE", 3)

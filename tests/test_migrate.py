@@ -15,8 +15,8 @@ from celery import Celery
 from click.testing import CliRunner
 from kombu import Connection
 
-from celery_emq.cli import emq as emq_cli
-from celery_emq.migrate import BATCH, STAGING, Migration
+from celery_emq.ops.cli import emq as emq_cli
+from celery_emq.ops.migrate import BATCH, STAGING, Migration
 from tests.faults.servers import RedisServer
 
 N = 1000

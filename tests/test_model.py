@@ -53,9 +53,9 @@ import redis
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from celery_emq.codec import pack
-from celery_emq.scripts import UNSET, Claimed, Outcome, Swept
-from celery_emq.store import JobStore
+from celery_emq.store.codec import pack
+from celery_emq.store.jobstore import JobStore
+from celery_emq.store.scripts import UNSET, Claimed, Outcome, Swept
 from tests.conftest import REDIS_URL, delete_prefix, dump_keys, forget_writes
 
 QUEUE = "q"

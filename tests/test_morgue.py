@@ -11,7 +11,7 @@ import redis
 from celery import Celery
 
 from celery_emq import Morgue, UnknownJobError
-from celery_emq.store import JobStore
+from celery_emq.store.jobstore import JobStore
 from tests.conftest import sweeps_ran_until
 
 

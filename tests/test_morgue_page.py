@@ -22,8 +22,8 @@ from flower.app import Flower
 from flower.options import default_options
 from flower.urls import settings as flower_settings
 
-from celery_emq import flower as emq_flower
-from celery_emq.store import JobStore
+from celery_emq.ops import flower as emq_flower
+from celery_emq.store.jobstore import JobStore
 from tests.test_flower_attach import fresh_registry
 from tests.test_morgue import kill, snapshot
 

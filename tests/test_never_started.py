@@ -13,11 +13,12 @@ import redis
 from celery import Celery
 from kombu.serialization import register, registry
 
-from celery_emq import EmqOptions, Morgue, StalledJobError, worker_state
-from celery_emq.jobs import JobInfo, describe
+from celery_emq import EmqOptions, Morgue, StalledJobError
 from celery_emq.signals import job_dead_lettered, job_stalled
-from celery_emq.store import JobStore
-from celery_emq.sweeper import Sweeper
+from celery_emq.store.jobstore import JobStore
+from celery_emq.transport.jobs import JobInfo, describe
+from celery_emq.transport.sweeper import Sweeper
+from celery_emq.worker import state as worker_state
 from tests.conftest import sweeps_ran_until
 
 CONTENT_TYPE = "application/x-emq-tripwire"

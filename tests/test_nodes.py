@@ -18,13 +18,13 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_emq import lease, settle
-from celery_emq.lease import Claim, delivery_tag
-from celery_emq.nodes import Lanes
 from celery_emq.options import EmqOptions
-from celery_emq.settle import SEND_BOUND_S, SettleBatcher
-from celery_emq.store import JobStore
-from celery_emq.sweeper import Sweeper, SweepThread
+from celery_emq.store.jobstore import JobStore
+from celery_emq.store.nodes import Lanes
+from celery_emq.transport import lease, settle
+from celery_emq.transport.lease import Claim, delivery_tag
+from celery_emq.transport.settle import SEND_BOUND_S, SettleBatcher
+from celery_emq.transport.sweeper import Sweeper, SweepThread
 from tests.conftest import ManualKeeper
 from tests.faults.servers import StallingProxy
 

@@ -131,7 +131,9 @@ def app_dir(tmp_path: Path, redis_url: str, prefix: str) -> Path:
 
 def test_transport_and_cli_import(venv: Venv, tmp_path: Path) -> None:
     done = run(
-        [venv.bin("python"), "-c", "import celery_emq.transport, celery_emq.cli"], 60, cwd=tmp_path
+        [venv.bin("python"), "-c", "import celery_emq.transport.channel, celery_emq.ops.cli"],
+        60,
+        cwd=tmp_path,
     )
     assert done.returncode == 0, output(done)
 

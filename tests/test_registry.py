@@ -12,8 +12,8 @@ from celery import Celery
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from celery_emq import EmqOptions
-from celery_emq.store import JobStore
-from celery_emq.sweeper import Sweeper
+from celery_emq.store.jobstore import JobStore
+from celery_emq.transport.sweeper import Sweeper
 
 
 @pytest.fixture

@@ -16,11 +16,11 @@ from kombu.exceptions import OperationalError
 
 import celery_emq  # noqa: F401  (registers emq://)
 from celery_emq.errors import InvalidOptionError, ReplicasUnconfirmedError
-from celery_emq.lease import keeper, parse_tag
 from celery_emq.options import EmqOptions
-from celery_emq.settle import batcher
-from celery_emq.store import JobStore
-from celery_emq.transport import JOB_ID_PROPERTY
+from celery_emq.store.jobstore import JobStore
+from celery_emq.transport.channel import JOB_ID_PROPERTY
+from celery_emq.transport.lease import keeper, parse_tag
+from celery_emq.transport.settle import batcher
 
 from .topology.sentinel_servers import SentinelTopology
 
@@ -98,7 +98,7 @@ def test_a_settle_no_replica_confirms_is_done_and_warned(
         message = solo_conn.default_channel.basic_get("q")
         assert message is not None
         before = waits(client)
-        with caplog.at_level(logging.WARNING, logger="celery_emq.settle"):
+        with caplog.at_level(logging.WARNING, logger="celery_emq.transport.settle"):
             message.ack()
         assert waits(client) == before + 1
         assert store.counts("q") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}

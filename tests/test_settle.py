@@ -14,11 +14,11 @@ import pytest
 import redis
 from redis.connection import AbstractConnection
 
-from celery_emq import settle
-from celery_emq.lease import Claim, LeaseKeeper
-from celery_emq.scripts import Batch, Outcome
-from celery_emq.settle import SETTLE_BATCH, SettleBatcher
-from celery_emq.store import JobStore
+from celery_emq.store.jobstore import JobStore
+from celery_emq.store.scripts import Batch, Outcome
+from celery_emq.transport import settle
+from celery_emq.transport.lease import Claim, LeaseKeeper
+from celery_emq.transport.settle import SETTLE_BATCH, SettleBatcher
 from tests.conftest import ManualKeeper, bulk_enqueue
 
 ROUND_TRIP_WAIT_S = 5
@@ -239,9 +239,9 @@ def test_queued_settles_are_sent_at_exit(redis_url: str, prefix: str, store: Job
     code = textwrap.dedent(
         f"""
         import redis
-        from celery_emq.lease import Claim
-        from celery_emq.settle import batcher
-        from celery_emq.store import JobStore
+        from celery_emq.transport.lease import Claim
+        from celery_emq.transport.settle import batcher
+        from celery_emq.store.jobstore import JobStore
 
         store = JobStore(redis.Redis.from_url({redis_url!r}), {store.prefix!r}, 5000)
         b = batcher()
@@ -304,7 +304,7 @@ def test_an_ack_whose_cluster_cannot_be_reached_is_owed(
 
 
 def test_a_cluster_that_cannot_be_reached_is_a_connection_error() -> None:
-    from celery_emq.scripts import Scripts
+    from celery_emq.store.scripts import Scripts
 
     class Unreachable:
         def register_script(self, source: str) -> Any:
@@ -315,6 +315,6 @@ def test_a_cluster_that_cannot_be_reached_is_a_connection_error() -> None:
 
     with pytest.raises(redis.ConnectionError, match="cannot be connected"):
         Scripts(Unreachable())._run("ack", ["k"], [])
-    from celery_emq.transport import Transport
+    from celery_emq.transport.transport import Transport
 
     assert issubclass(redis.exceptions.RedisClusterException, Transport.connection_errors)

@@ -11,11 +11,11 @@ import pytest
 from celery import Celery
 from celery.signals import task_prerun
 
-from celery_emq import worker_state
-from celery_emq.lease import keeper
-from celery_emq.settle import SettleBatcher, batcher
-from celery_emq.store import JobStore
-from celery_emq.transport import refill_at
+from celery_emq.store.jobstore import JobStore
+from celery_emq.transport.lease import keeper
+from celery_emq.transport.qos import refill_at
+from celery_emq.transport.settle import SettleBatcher, batcher
+from celery_emq.worker import state as worker_state
 
 
 @pytest.fixture
@@ -113,7 +113,7 @@ def ready_pool(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def qos_holding(n: int, prefetch: int = 8) -> Any:
-    from celery_emq.transport import QoS
+    from celery_emq.transport.qos import QoS
 
     qos = QoS.__new__(QoS)
     qos.prefetch_count = prefetch

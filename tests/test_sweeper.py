@@ -10,13 +10,15 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_emq import EmqOptions, StalledJobError, lease, worker_state
-from celery_emq.jobs import JobInfo
-from celery_emq.lease import delivery_tag
-from celery_emq.scripts import Outcome
+from celery_emq import EmqOptions, StalledJobError
 from celery_emq.signals import job_dead_lettered, job_recovered, job_stalled
-from celery_emq.store import JobStore
-from celery_emq.sweeper import Sweeper, SweepThread
+from celery_emq.store.jobstore import JobStore
+from celery_emq.store.scripts import Outcome
+from celery_emq.transport import lease
+from celery_emq.transport.jobs import JobInfo
+from celery_emq.transport.lease import delivery_tag
+from celery_emq.transport.sweeper import Sweeper, SweepThread
+from celery_emq.worker import state as worker_state
 from tests.conftest import ManualKeeper, sweeps_ran_until, token_of
 
 
@@ -182,7 +184,7 @@ def test_a_lapse_before_the_task_started_sends_no_signal_and_records_no_failure(
 
 
 def test_malformed_job_is_described_not_raised() -> None:
-    from celery_emq.jobs import describe
+    from celery_emq.transport.jobs import describe
 
     info = describe(b"{not json", "q", "id1", 2, "lease_expired")
     assert info.task_name is None

@@ -10,7 +10,7 @@ from billiard.exceptions import WorkerLostError
 from celery import Celery
 from celery.worker.request import Request
 
-from celery_emq import worker_state
+from celery_emq.worker import state as worker_state
 
 
 class _ExcInfo:
@@ -149,7 +149,7 @@ def test_retry_on_worker_lost_leaves_the_delivery_to_celery(
 def test_a_task_cancelled_on_connection_loss_goes_back_at_once(probed: Any, store: Any) -> None:
     from billiard.exceptions import Terminated
 
-    from celery_emq.lease import keeper
+    from celery_emq.transport.lease import keeper
 
     app = Celery("probe", set_as_current=False)
 

@@ -9,8 +9,8 @@ import redis
 from celery import Celery
 
 import celery_emq  # noqa: F401
-from celery_emq.jobs import JobInfo
 from celery_emq.signals import job_dead_lettered
+from celery_emq.transport.jobs import JobInfo
 
 REDIS_URL = os.environ.get("EMQ_EXAMPLE_REDIS_URL", "redis://127.0.0.1:6379/14")
 

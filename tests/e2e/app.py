@@ -25,10 +25,10 @@ from celery import Celery
 from kombu.serialization import register as register_serializer
 
 import celery_emq
-from celery_emq.jobs import JobInfo
 from celery_emq.signals import job_dead_lettered
-from celery_emq.store import JobStore
-from celery_emq.worker_state import request_claim
+from celery_emq.store.jobstore import JobStore
+from celery_emq.transport.jobs import JobInfo
+from celery_emq.worker.state import request_claim
 
 REDIS = os.environ.get("EMQ_E2E_REDIS", "redis://127.0.0.1:6379/11")
 PREFIX = os.environ.get("EMQ_E2E_PREFIX", "e2e:")

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_emq.store import JobStore
+from celery_emq.store.jobstore import JobStore
 
 from .harness import Worker, wait_for
 

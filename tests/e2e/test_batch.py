@@ -9,7 +9,7 @@ import pytest
 import redis
 from kombu import Producer
 
-from celery_emq.store import JobStore
+from celery_emq.store.jobstore import JobStore
 
 from .harness import Worker, wait_for
 

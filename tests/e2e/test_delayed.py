@@ -11,8 +11,8 @@ import pytest
 import redis
 from celery.result import AsyncResult
 
-from celery_emq.status import queue_status
-from celery_emq.store import JobStore
+from celery_emq.store.jobstore import JobStore
+from celery_emq.store.status import queue_status
 
 from .harness import Worker, suite_app, wait_for
 
@@ -89,7 +89,7 @@ def test_a_worker_that_never_heard_the_revoke_still_discards_the_task(
 ) -> None:
     # The revoke reached a worker that died before claiming the job (or a worker
     # that has forgotten it, hours later): the mark on the job decides.
-    from celery_emq.worker_state import promote_revoked
+    from celery_emq.worker.state import promote_revoked
 
     capp = suite_app(redis_url, prefix)
     doomed = capp.send_task("tests.e2e.app.sleepy", args=(0, "doomed"), countdown=3600)

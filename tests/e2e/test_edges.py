@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from celery_emq import StalledJobError
-from celery_emq.store import JobStore
+from celery_emq.store.jobstore import JobStore
 
 from . import app as e2e_app
 from .app import note_unpickled

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from celery_emq.store import JobStore
+from celery_emq.store.jobstore import JobStore
 
 from .harness import ROOT, wait_for
 from .test_flower import free_port

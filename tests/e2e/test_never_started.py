@@ -17,8 +17,8 @@ import pytest
 import redis
 
 from celery_emq import StalledJobError
-from celery_emq.codec import unpack
-from celery_emq.store import JobStore
+from celery_emq.store.codec import unpack
+from celery_emq.store.jobstore import JobStore
 
 from .app import DOOM
 from .harness import Worker, run_celery, wait_for

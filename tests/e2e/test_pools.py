@@ -22,7 +22,7 @@ import pytest
 import redis
 
 from celery_emq import StalledJobError
-from celery_emq.store import JobStore
+from celery_emq.store.jobstore import JobStore
 
 from .harness import Worker, lapsed_leases, suite_app, wait_for
 

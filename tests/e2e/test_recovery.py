@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from celery_emq import StalledJobError
-from celery_emq.store import JobStore
+from celery_emq.store.jobstore import JobStore
 
 from .harness import ROOT, Worker, suite_app, wait_for
 

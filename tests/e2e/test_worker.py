@@ -10,7 +10,7 @@ import pytest
 import redis
 from celery import chain, chord, group
 
-from celery_emq.store import JobStore
+from celery_emq.store.jobstore import JobStore
 
 from ..conftest import servers_of
 from .harness import Worker, lapsed_leases, suite_app, wait_for

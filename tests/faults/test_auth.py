@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from celery import Celery
 from click.testing import CliRunner
 
-from celery_emq.cli import emq as emq_cli
+from celery_emq.ops.cli import emq as emq_cli
 from tests.e2e.harness import run_celery
 
 from .servers import RedisServer

@@ -13,8 +13,8 @@ from urllib.parse import urlparse
 import redis
 from kombu import Connection
 
-from celery_emq.lease import LeaseKeeper
-from celery_emq.store import JobStore
+from celery_emq.store.jobstore import JobStore
+from celery_emq.transport.lease import LeaseKeeper
 
 from .servers import StallingProxy
 

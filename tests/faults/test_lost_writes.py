@@ -16,7 +16,7 @@ from collections.abc import Callable
 import pytest
 import redis
 
-from celery_emq.store import JobStore
+from celery_emq.store.jobstore import JobStore
 from tests.e2e.app import client_app
 from tests.e2e.harness import Worker, wait_for
 

@@ -10,8 +10,8 @@ import redis
 from kombu.exceptions import OperationalError
 
 from celery_emq import BrokerFullError
-from celery_emq.server import check_server
-from celery_emq.store import JobStore
+from celery_emq.store.jobstore import JobStore
+from celery_emq.store.server import check_server
 from tests.e2e.app import client_app
 from tests.e2e.harness import Worker, run_celery
 

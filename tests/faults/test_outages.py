@@ -13,8 +13,8 @@ from collections.abc import Callable
 import pytest
 import redis
 
-from celery_emq.scripts import Outcome
-from celery_emq.store import JobStore
+from celery_emq.store.jobstore import JobStore
+from celery_emq.store.scripts import Outcome
 from tests.e2e.app import client_app
 from tests.e2e.harness import Worker, wait_for
 

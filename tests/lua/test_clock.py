@@ -8,9 +8,9 @@ import pytest
 import redis
 
 from celery_emq import EmqOptions
-from celery_emq.scripts import Outcome
-from celery_emq.store import JobStore
-from celery_emq.sweeper import Sweeper
+from celery_emq.store.jobstore import JobStore
+from celery_emq.store.scripts import Outcome
+from celery_emq.transport.sweeper import Sweeper
 
 HOUR_MS = 3_600_000
 

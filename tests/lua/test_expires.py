@@ -6,8 +6,8 @@ import time
 
 import redis
 
-from celery_emq.scripts import Outcome
-from celery_emq.store import JobStore
+from celery_emq.store.jobstore import JobStore
+from celery_emq.store.scripts import Outcome
 
 TTL_MS = 200
 

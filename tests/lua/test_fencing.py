@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import redis
 
-from celery_emq.scripts import Outcome, live_token
-from celery_emq.store import JobStore
+from celery_emq.store.jobstore import JobStore
+from celery_emq.store.scripts import Outcome, live_token
 from tests.conftest import ManualKeeper, dump_keys, forget_writes, token_of
 
 LEASE_MS = 5000

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from celery_emq.keys import QueueKeys
-from celery_emq.scripts import SCRIPT_NAMES, NewJob, Scripts, script_source
+from celery_emq.store.keys import QueueKeys
+from celery_emq.store.scripts import SCRIPT_NAMES, NewJob, Scripts, script_source
 
 HEADER = re.compile(r"^\s*(KEYS|ARGV)\[(\d+)(\.\.)?\]", re.M)
 KEY_LINE = re.compile(r"^\s*KEYS\[(\d+)\]\s+\w+\s+<p>:(\S+)", re.M)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import redis
 
-from celery_emq.store import JobStore
+from celery_emq.store.jobstore import JobStore
 from tests.conftest import token_of
 
 

@@ -6,9 +6,9 @@ import json
 
 import redis
 
-from celery_emq.codec import pack, unpack
-from celery_emq.scripts import Outcome
-from celery_emq.store import JobStore
+from celery_emq.store.codec import pack, unpack
+from celery_emq.store.jobstore import JobStore
+from celery_emq.store.scripts import Outcome
 from tests.test_codec import MESSAGE
 
 COMPACT = (b"listpack", b"ziplist")

@@ -7,8 +7,8 @@ import time
 import redis
 
 from celery_emq import EmqOptions
-from celery_emq.store import JobStore
-from celery_emq.sweeper import Sweeper
+from celery_emq.store.jobstore import JobStore
+from celery_emq.transport.sweeper import Sweeper
 
 COUNTER_TTL_MS = 30 * 86_400_000
 

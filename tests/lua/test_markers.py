@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import redis
 
-from celery_emq.scripts import Outcome
-from celery_emq.store import JobStore
+from celery_emq.store.jobstore import JobStore
+from celery_emq.store.scripts import Outcome
 from tests.conftest import token_of
 
 LEASE_MS = 5000

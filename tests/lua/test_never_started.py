@@ -6,7 +6,7 @@ import json
 
 import redis
 
-from celery_emq.store import JobStore
+from celery_emq.store.jobstore import JobStore
 from tests.conftest import bulk_start
 
 T0 = 1000

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import redis
 
-from celery_emq.store import PURGE_BATCH, JobStore
+from celery_emq.store.jobstore import PURGE_BATCH, JobStore
 from tests.conftest import bulk_enqueue
 
 

@@ -6,8 +6,8 @@ import threading
 import pytest
 import redis
 
-from celery_emq.scripts import Swept
-from celery_emq.store import JobStore
+from celery_emq.store.jobstore import JobStore
+from celery_emq.store.scripts import Swept
 from tests.conftest import bulk_enqueue, bulk_start, sweeps_ran_until, token_of
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import redis
 
-from celery_emq import store as store_module
-from celery_emq.status import queue_status
-from celery_emq.store import JobStore
+from celery_emq.store import jobstore as store_module
+from celery_emq.store.jobstore import JobStore
+from celery_emq.store.status import queue_status
 
 
 def test_counts_lanes_and_heads_of_every_state(store: JobStore) -> None:

@@ -1,4 +1,4 @@
-"""celery_emq.testing_docker: pytest-celery's Redis broker node, through emq://.
+"""celery_emq.testing.docker: pytest-celery's Redis broker node, through emq://.
 
 Without Docker the node is built on a stand-in for its container: what is
 checked is the configuration pytest-celery hands to the app and the workers.
@@ -12,7 +12,7 @@ pytest.importorskip("pytest_celery")
 
 from pytest_celery import CeleryBrokerCluster, CeleryTestBroker
 
-from celery_emq.testing_docker import EmqTestBroker, emq_url
+from celery_emq.testing.docker import EmqTestBroker, emq_url
 
 
 class StandInContainer:

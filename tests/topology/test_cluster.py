@@ -15,9 +15,9 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 from redis.cluster import RedisCluster, key_slot
 
 import celery_emq  # noqa: F401  (registers emq://)
-from celery_emq.cluster import ClusterChannel
-from celery_emq.status import queue_status
-from celery_emq.store import JobStore
+from celery_emq.store.jobstore import JobStore
+from celery_emq.store.status import queue_status
+from celery_emq.transport.cluster import ClusterChannel
 from tests.faults.servers import RedisServer
 
 from .cluster_servers import Cluster
@@ -327,7 +327,7 @@ def test_flower_reads_queue_lengths_on_the_cluster(
 
     from flower.utils.broker import Broker
 
-    from celery_emq.flower import register
+    from celery_emq.ops.flower import register
 
     assert register()
     store = JobStore(cluster_client, cluster_prefix + "emq", 30_000)
@@ -348,7 +348,7 @@ def test_flower_reads_queue_lengths_on_the_cluster(
 
 
 def test_the_server_check_reads_every_master(cluster_client: RedisCluster) -> None:
-    from celery_emq.server import check_server
+    from celery_emq.store.server import check_server
 
     check = check_server(cluster_client)
     # The test cluster keeps nothing on disk (--save '' --appendonly no).
@@ -371,7 +371,7 @@ def test_wait_replicas_waits_on_the_master_of_each_queue(
     from functools import partial
 
     from celery_emq.errors import ReplicasUnconfirmedError
-    from celery_emq.scripts import SCRIPT_NAMES, Outcome, script_source
+    from celery_emq.store.scripts import SCRIPT_NAMES, Outcome, script_source
 
     prefix = cluster_prefix + "emq"
     store = JobStore(cluster_client, prefix, 30_000, wait_replicas=1, wait_timeout_ms=2000)

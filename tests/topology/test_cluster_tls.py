@@ -18,9 +18,9 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 from redis.cluster import ClusterNode, RedisCluster, key_slot
 
 import celery_emq  # noqa: F401  (registers emqs+cluster://)
-from celery_emq.cluster import ClusterChannel
-from celery_emq.keys import QueueKeys
-from celery_emq.store import JobStore
+from celery_emq.store.jobstore import JobStore
+from celery_emq.store.keys import QueueKeys
+from celery_emq.transport.cluster import ClusterChannel
 from tests.e2e.app import client_app
 from tests.e2e.harness import Worker, wait_for
 
@@ -207,7 +207,7 @@ def test_flower_reads_queue_lengths_over_tls(
 
     from flower.utils.broker import Broker
 
-    from celery_emq.flower import register
+    from celery_emq.ops.flower import register
 
     assert register()
     names = names_on_masters(tls_cluster, prefix, 2)

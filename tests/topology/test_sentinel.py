@@ -17,7 +17,7 @@ from kombu.exceptions import OperationalError
 
 import celery_emq  # noqa: F401  (registers emq://)
 from celery_emq.errors import InvalidOptionError
-from celery_emq.sentinel import MASTER_CHECK_S
+from celery_emq.transport.sentinel import MASTER_CHECK_S
 
 from .sentinel_servers import SentinelTopology
 
@@ -160,7 +160,7 @@ def test_flower_reads_queue_lengths_through_sentinel(
     from celery._state import get_current_app
     from flower.utils.broker import Broker
 
-    from celery_emq.flower import register
+    from celery_emq.ops.flower import register
 
     q = queue("fq")
     producer = Producer(conn)

@@ -9,10 +9,10 @@ from redis.cluster import key_slot
 
 from celery_emq import InvalidOptionError
 from celery_emq.errors import InvalidQueueNameError
-from celery_emq.keys import QueueKeys
 from celery_emq.options import EmqOptions
-from celery_emq.scripts import Scripts
-from celery_emq.store import JobStore
+from celery_emq.store.jobstore import JobStore
+from celery_emq.store.keys import QueueKeys
+from celery_emq.store.scripts import Scripts
 
 
 def slot(key: str) -> int:

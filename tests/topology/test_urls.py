@@ -9,7 +9,7 @@ from kombu import Connection
 
 import celery_emq  # noqa: F401  (registers emq://)
 from celery_emq.errors import InvalidBrokerURLError
-from celery_emq.topology import target_of
+from celery_emq.store.topology import target_of
 
 
 def _free_port() -> int:

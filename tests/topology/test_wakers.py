@@ -10,8 +10,8 @@ import pytest
 from kombu import Connection, Consumer, Producer
 from redis.exceptions import RedisClusterException
 
-import celery_emq.cluster
-from celery_emq.cluster import ClusterChannel
+import celery_emq.transport.cluster
+from celery_emq.transport.cluster import ClusterChannel
 
 from .test_cluster import ConnFactory, connect, drain, queue, spread_names
 
@@ -63,7 +63,7 @@ def test_a_waker_keeps_waiting_after_its_client_failed_to_connect(
     with Consumer(conn.channel(), [queue(name)], callbacks=[lambda b, m: (got.append(b), m.ack())]):
         # The store's client exists (the declare used it): the next client
         # built is the wakers'.
-        monkeypatch.setattr(celery_emq.cluster, "cluster_class", flaky)
+        monkeypatch.setattr(celery_emq.transport.cluster, "cluster_class", flaky)
         drain(conn, got, 1, timeout=5)
         assert not failures
         assert got == [{"warm": 1}]

@@ -21,8 +21,8 @@ from kombu import Connection
 from redis.exceptions import RedisClusterException
 
 import celery_emq  # noqa: F401  (registers emq://)
-from celery_emq.discovery import BoundedSentinel, sentinel_kwargs
-from celery_emq.retries import CLUSTER_RETRIES, connection_retry
+from celery_emq.store.discovery import BoundedSentinel, sentinel_kwargs
+from celery_emq.store.retries import CLUSTER_RETRIES, connection_retry
 from tests.faults.servers import REDIS_SERVER, RedisServer
 from tests.topology.cluster_servers import Node, _free_ports
 

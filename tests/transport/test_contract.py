@@ -13,10 +13,10 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 import celery_emq  # noqa: F401  (registers emq://)
 from celery_emq import EmqOptions, InvalidOptionError
-from celery_emq.lease import keeper, parse_tag
-from celery_emq.scripts import Batch
-from celery_emq.store import JobStore
-from celery_emq.sweeper import Sweeper
+from celery_emq.store.jobstore import JobStore
+from celery_emq.store.scripts import Batch
+from celery_emq.transport.lease import keeper, parse_tag
+from celery_emq.transport.sweeper import Sweeper
 from tests.conftest import CLUSTER, servers_of
 from tests.transport.conftest import ConnFactory
 

@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from .lease import Claim, delivery_tag, keeper
-from .nodes import Lanes
-from .scripts import Outcome
+from celery_emq.store.nodes import Lanes
+from celery_emq.store.scripts import Outcome
+from celery_emq.transport.lease import Claim, delivery_tag, keeper
 
 if TYPE_CHECKING:
-    from .scripts import Batch
-    from .store import JobStore
+    from celery_emq.store.jobstore import JobStore
+    from celery_emq.store.scripts import Batch
 
 __all__ = ["SETTLE_BATCH", "SettleBatcher", "batcher"]
 

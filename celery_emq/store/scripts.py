@@ -26,8 +26,8 @@ from redis.exceptions import (
     TryAgainError,
 )
 
-from .errors import ScriptContractError
-from .keys import QueueKeys
+from celery_emq.errors import ScriptContractError
+from celery_emq.store.keys import QueueKeys
 
 __all__ = [
     "SCRIPT_NAMES",
@@ -173,7 +173,12 @@ class NewJob:
 
 def script_source(name: str) -> str:
     """Return the Lua source of one script shipped in ``celery_emq/lua``."""
-    return resources.files("celery_emq").joinpath("lua").joinpath(f"{name}.lua").read_text("utf-8")
+    return (
+        resources.files(__package__ or "celery_emq.store")
+        .joinpath("lua")
+        .joinpath(f"{name}.lua")
+        .read_text("utf-8")
+    )
 
 
 def _outcome(reply: Any, script: str) -> Outcome:

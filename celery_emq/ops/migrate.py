@@ -43,11 +43,11 @@ from typing import Any
 from kombu.transport.virtual.exchange import STANDARD_EXCHANGE_TYPES
 from redis.cluster import RedisCluster
 
-from .codec import pack
-from .errors import EmqError
-from .scripts import UNSET, Outcome, _enqueue_call, script_source
-from .store import JobStore
-from .transport import (
+from celery_emq.errors import EmqError
+from celery_emq.store.codec import pack
+from celery_emq.store.jobstore import JobStore
+from celery_emq.store.scripts import UNSET, Outcome, _enqueue_call, script_source
+from celery_emq.transport.channel import (
     _KEYED,
     BUDGET_OPTION,
     GROUP_HEADER,

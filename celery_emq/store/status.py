@@ -7,7 +7,7 @@ from typing import Any
 
 from redis.cluster import RedisCluster
 
-from .store import METRICS, JobStore
+from celery_emq.store.jobstore import METRICS, JobStore
 
 __all__ = ["queue_status", "queue_statuses"]
 

@@ -17,9 +17,12 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, NamedTuple
+from typing import Any
 
-from ._compat import keep_started_jobs_on_flush
+from celery_emq.transport import process
+from celery_emq.transport.lease import delivery_tag, keeper, parse_tag
+from celery_emq.transport.process import WORKER_LOST, Mark
+from celery_emq.transport.settle import batcher
 
 __all__ = [
     "Mark",
@@ -33,17 +36,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: The reason that makes a settle a stall rather than a dead letter.
-WORKER_LOST = "worker_lost"
-
-
-class Mark(NamedTuple):
-    """Why Celery is about to settle a delivery."""
-
-    reason: str
-    error: str
-
 
 #: Marked delivery tags waiting for Celery's (possibly deferred) ack or reject.
 #: Bounded: an entry nobody settles is forgotten eventually.
@@ -167,6 +159,42 @@ def install_worker_probes() -> None:
     keep_started_jobs_on_flush()
 
 
+def keep_started_jobs_on_flush() -> None:
+    """Keep the prefork pool's jobs a child has, or will run, when the connection drops.
+
+    On a broker reconnect Celery empties the prefork pool's job table
+    (``AsynPool.flush``): before 5.6.3 of every job, since of every job a child
+    has not yet acknowledged starting. But a job already written to a child's
+    pipe (``_write_to``) is read and run by that child all the same, and its
+    task then finishes unseen by the worker, which never acks it: under
+    kombu's ``redis://`` the message was requeued at the reconnect and runs
+    twice; here its claim, kept for the started task, would stay leased for
+    ever. Jobs a child accepted or was written are kept; only those still in
+    the outgoing buffer (no child will see them) are dropped. Installed once
+    per process.
+    """
+    from celery.concurrency.asynpool import AsynPool
+
+    flush = AsynPool.flush
+    if getattr(flush, "_emq_compat", False):
+        return
+
+    def flush_keeping_started(self: Any) -> Any:
+        kept = {
+            key: job
+            for key, job in self._cache.items()
+            if job._accepted or getattr(job, "_write_to", None) is not None
+        }
+        try:
+            return flush(self)
+        finally:
+            for key, job in kept.items():
+                self._cache.setdefault(key, job)
+
+    flush_keeping_started._emq_compat = True  # type: ignore[attr-defined]
+    AsynPool.flush = flush_keeping_started
+
+
 _nodename: str | None = None
 
 
@@ -260,8 +288,6 @@ def _give_back_if_cancelled(job: Any, tag: str) -> None:
 
     def done(f: Future[Any]) -> None:
         if f.cancelled():
-            from .lease import keeper
-
             settled(tag)
             keeper().release(tag)
 
@@ -289,8 +315,6 @@ def _install_worker_lost_probe() -> None:
             # Celery cancelled the task because the broker connection was lost,
             # and leaves the message unsettled for the broker to redeliver: let
             # the claim go back now rather than keep it renewed for ever.
-            from .lease import keeper
-
             try:
                 return original(self, exc_info, *args, **kwargs)
             finally:
@@ -369,9 +393,6 @@ def _install_accept_probe() -> None:
 
 
 def _note_accepted(request: Any) -> None:
-    from .lease import keeper
-    from .settle import batcher
-
     tag = getattr(getattr(request, "message", None), "delivery_tag", None)
     if not isinstance(tag, str):
         return
@@ -415,8 +436,6 @@ _pool: Any = None
 
 def _on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
     """Note the worker's pool; let settles wait for company (``settle_delay_ms``)."""
-    from .settle import batcher
-
     global _pool
     _pool = getattr(sender, "pool", None)
     batcher().deferring = True
@@ -453,17 +472,12 @@ def request_claim(request: Any) -> tuple[str, str] | None:
     worker's main process and in a prefork child alike (Celery 5.4 to 5.7), so
     no header is added to the message.
     """
-    from .lease import parse_tag
-
     properties = getattr(request, "properties", None)
     tag = properties.get("delivery_tag") if isinstance(properties, dict) else None
     return parse_tag(tag) if isinstance(tag, str) else None
 
 
 def _record_start(sender: Any = None, task: Any = None, **kwargs: Any) -> None:
-    from .lease import delivery_tag, keeper
-    from .settle import batcher
-
     claim = request_claim(getattr(task, "request", None))
     if claim is None:
         return
@@ -499,9 +513,6 @@ def _ack_success(sender: Any = None, **kwargs: Any) -> None:
     has nothing left to do. (A prefork child does not hold the claim; its
     worker acks as soon as the result comes back.)
     """
-    from .lease import delivery_tag, keeper
-    from .settle import batcher
-
     task = sender
     if not getattr(task, "acks_late", False):
         return
@@ -524,7 +535,7 @@ def _child_store(app: Any) -> Any:
     """
     entry = _child_stores.get(id(app))
     if entry is None:
-        from .transport import Channel
+        from celery_emq.transport.channel import Channel
 
         conn = app.connection_for_write()
         channel = conn.default_channel
@@ -538,3 +549,41 @@ def _forget_child_stores() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_child_stores)
+
+
+class CeleryHost:
+    """What a Celery worker in this process tells the transport (:class:`process.Host`)."""
+
+    def started_delivery_tags(self) -> set[str]:
+        return started_delivery_tags()
+
+    def nodename(self) -> str | None:
+        return worker_nodename()
+
+    def claim_at_once(self) -> bool:
+        return claim_at_once()
+
+    def pop_mark(self, tag: str) -> Mark | None:
+        return pop_mark(tag)
+
+    def settled(self, tag: str) -> None:
+        settled(tag)
+
+
+def attach() -> None:
+    """Tell the transport about the Celery worker in this process, once it has one.
+
+    The transport asks the :class:`CeleryHost` what a worker knows; the probes
+    are installed when a worker initialises (Celery's ``worker_init``) or, in a
+    process whose worker started before the transport was imported, when a
+    transport starts. Outside a worker nothing is installed.
+    """
+    from celery.signals import worker_init
+
+    process.set_host(CeleryHost())
+    process.on_transport_start(install_worker_probes)
+    worker_init.connect(_on_worker_init, weak=False, dispatch_uid="celery_emq.worker_init")
+
+
+def _on_worker_init(sender: Any = None, **kwargs: Any) -> None:
+    install_worker_probes()

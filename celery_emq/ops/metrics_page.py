@@ -11,7 +11,7 @@ from __future__ import annotations
 import tornado.web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .morgue_page import EmqHandler
+from celery_emq.ops.morgue_page import EmqHandler
 
 __all__ = ["MetricsPage"]
 

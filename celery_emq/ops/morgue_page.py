@@ -6,7 +6,7 @@ own (:class:`flower.views.BaseHandler`), so Flower's authentication applies:
 every page and button needs the user Flower lets in. The buttons are forms
 that POST with Tornado's XSRF token, checked whatever Flower's authentication
 (Flower itself checks the token only under OAuth). Pages are rendered on the
-server from templates shipped in ``celery_emq/templates/emq``, without scripts.
+server from templates shipped in ``celery_emq/ops/templates/emq``, without scripts.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import tornado.web
 from flower.views import BaseHandler
 from tornado.ioloop import IOLoop
 
-from ._format import age, when
-from .errors import EmqError, UnknownJobError
-from .jobs import accepted_content
-from .morgue import REASONS, Morgue
-from .status import queue_statuses
+from celery_emq.errors import EmqError, UnknownJobError
+from celery_emq.ops.format import age, when
+from celery_emq.ops.morgue import REASONS, Morgue
+from celery_emq.store.status import queue_statuses
+from celery_emq.transport.jobs import accepted_content
 
 __all__ = ["LIST_LIMIT", "NOTICES", "FlowerTemplates", "handlers", "loader_options"]
 
@@ -238,7 +238,7 @@ def _since_ms(text: str, server_ms: Callable[[], int]) -> int:
     """Read ``since``: a duration ago (``90s``, ``30m``, ``2h``, ``7d``) or an ISO-8601 time."""
     import click
 
-    from .cli import _parse_time
+    from celery_emq.ops.cli import _parse_time
 
     try:
         parsed = _parse_time(text, "since")

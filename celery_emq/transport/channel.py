@@ -1,4 +1,4 @@
-"""The kombu transport: thin glue from kombu's Channel/QoS API to the job store.
+"""The kombu channel: thin glue from kombu's Channel API to the job store.
 
 Everything kombu's Redis transport does besides task queues is inherited:
 connection handling, TLS/auth, PUB/SUB fanout (remote control, events), the
@@ -21,34 +21,26 @@ from typing import Any
 import redis
 from kombu.serialization import TRUSTED_CONTENT
 from kombu.transport import redis as kombu_redis
-from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 
-from ._compat import ChannelCompat
-from .batch import BATCH_ARGUMENT, PublishBatch, is_broker_full
-from .codec import unpack
-from .errors import BrokerFullError, InvalidBrokerURLError
-from .flower import register_if_loaded as register_with_flower_if_loaded
-from .lease import keeper
-from .options import EmqOptions
-from .retries import connection_retry
-from .scripts import UNSET, Claimed, NewJob, Outcome, Unset
-from .server import check_server
-from .settle import batcher
-from .store import JobStore
-from .sweeper import Sweeper, sweep_thread
-from .topology import FORMS, BrokerTarget, target_of
-from .worker_state import (
-    WORKER_LOST,
-    claim_at_once,
-    install_worker_probes,
-    pop_mark,
-    settled,
-    started_delivery_tags,
-)
+from celery_emq import errors
+from celery_emq.options import EmqOptions
+from celery_emq.store.codec import unpack
+from celery_emq.store.jobstore import JobStore
+from celery_emq.store.retries import connection_retry
+from celery_emq.store.scripts import UNSET, Claimed, NewJob, Outcome, Unset
+from celery_emq.store.server import check_server
+from celery_emq.transport.batch import BATCH_ARGUMENT, PublishBatch, is_broker_full
+from celery_emq.transport.compat import ChannelCompat
+from celery_emq.transport.errors import BrokerFullError, ReplicasUnconfirmedError
+from celery_emq.transport.lease import keeper
+from celery_emq.transport.process import transport_started
+from celery_emq.transport.qos import QoS
+from celery_emq.transport.settle import batcher
+from celery_emq.transport.sweeper import Sweeper, sweep_thread
 
-__all__ = ["Channel", "QoS", "Transport"]
+__all__ = ["Channel"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,88 +66,6 @@ KEEPALIVE_OPTIONS: dict[int, int] = {
     for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3))
     if (opt := getattr(socket, name, None)) is not None
 }
-
-
-class QoS(kombu_redis.QoS):
-    """Acks, rejects and restores through the job store.
-
-    kombu's Redis QoS keeps a DB-global ``unacked`` hash restored by age; here
-    the claim already wrote the lease, so ``append`` only does bookkeeping.
-    """
-
-    channel: Channel
-
-    def append(self, message: Any, delivery_tag: str) -> None:
-        virtual.QoS.append(self, message, delivery_tag)
-
-    def can_consume(self) -> bool:
-        """Whether to wait for (and claim) more jobs now.
-
-        Every claim costs a round trip (two after an idle wait), so a prefork
-        or solo worker whose pool is busy tops up its prefetch in batches: it
-        claims again once half its prefetch is free. It does not wait while a
-        pool process may idle (see :func:`claim_at_once`).
-        """
-        pcount = self.prefetch_count
-        if not pcount:
-            return True
-        free = pcount - (len(self._delivered) - len(self._dirty))
-        return free > 0 and (free >= refill_at(pcount) or claim_at_once())
-
-    def ack(self, delivery_tag: str) -> None:
-        settled(delivery_tag)
-        if not self._settle_marked(delivery_tag):
-            self.channel._settle(delivery_tag)
-        virtual.QoS.ack(self, delivery_tag)
-
-    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
-        settled(delivery_tag)
-        if not self._settle_marked(delivery_tag):
-            if requeue:
-                self.channel._release(delivery_tag)
-            else:
-                self.channel._bury(delivery_tag, "rejected", "rejected without requeue")
-        virtual.QoS.ack(self, delivery_tag)
-
-    def _settle_marked(self, delivery_tag: str) -> bool:
-        """Settle a delivery Celery's handling marked with a reason; False if unmarked.
-
-        A lost pool process is a stall (counted against the budget); a message
-        Celery could not decode or will not run is dead-lettered with the reason.
-        """
-        mark = pop_mark(delivery_tag)
-        if mark is None:
-            return False
-        if mark.reason == WORKER_LOST:
-            self.channel._charge(delivery_tag, WORKER_LOST)
-        else:
-            self.channel._bury(delivery_tag, mark.reason, mark.error)
-        return True
-
-    def restore_unacked(self, client: Any = None) -> None:
-        """Release unstarted deliveries at once; keep leases of started ones.
-
-        Called when the channel closes (warm shutdown, broker reconnect). A
-        delivery whose task already runs keeps its lease in the process-wide
-        keeper, which goes on renewing it until the task acks.
-        """
-        self._flush()
-        # Start records queued for prefork children go first: the recorded
-        # start decides what stays held below.
-        batcher().flush()
-        started = started_delivery_tags()
-        # A prefork child may have started one before the worker heard of it:
-        # the recorded start decides, and such a claim stays held.
-        self.channel._release_all(
-            [tag for tag in self._delivered if tag not in started], unless_started=True, unseen=True
-        )
-        self._delivered.clear()
-
-    def restore_by_tag(self, tag: str, client: Any = None, leftmost: bool = False) -> None:
-        self.channel._release(tag)
-
-    def restore_visible(self, *args: Any, **kwargs: Any) -> None:
-        """Do nothing: lapsed leases are recovered by the reaper and sweep."""
 
 
 class Channel(ChannelCompat, kombu_redis.Channel):
@@ -198,7 +108,7 @@ class Channel(ChannelCompat, kombu_redis.Channel):
         super().__init__(connection, *args, **kwargs)
         # Inside a Celery worker, before it binds its message handlers: see
         # what its handling of lost processes and refused messages decides.
-        install_worker_probes()
+        transport_started()
 
     # -- the store -------------------------------------------------------
 
@@ -372,6 +282,8 @@ class Channel(ChannelCompat, kombu_redis.Channel):
             if is_broker_full(exc):
                 raise BrokerFullError(queue, str(exc)) from exc
             raise
+        except errors.ReplicasUnconfirmedError as exc:
+            raise ReplicasUnconfirmedError.of(exc) from exc
         if outcome is Outcome.DUPLICATE:
             logger.debug("celery_emq: job %s already in %s; publish ignored", job_id, queue)
         self.note_published(queue, job_id, ttl_ms, is_task)
@@ -759,11 +671,6 @@ def _remember_revoked(task_id: Any) -> None:
         state.revoked.add(task_id)
 
 
-def refill_at(prefetch: int) -> int:
-    """Return how many prefetch slots a busy worker lets free before it claims again."""
-    return max(1, prefetch // 2)
-
-
 def _queue_ttl_ms(kwargs: dict[str, Any]) -> int:
     """Return a queue's ``x-expires`` (ms) from its declare arguments, or 0."""
     try:
@@ -797,24 +704,6 @@ def _budget(value: Any) -> int | Unset | None:
     return UNSET
 
 
-def _channel_class(target: BrokerTarget) -> type[Channel]:
-    """The channel class serving a broker URL's deployment."""
-    if target.kind == "single":
-        return Channel
-    if target.kind == "sentinel":
-        from .sentinel import SentinelChannel
-
-        return SentinelChannel
-    if target.kind == "cluster":
-        from .cluster import ClusterChannel
-
-        return ClusterChannel
-    raise InvalidBrokerURLError(
-        f"Redis {target.kind} (emq+{target.kind}://) is not available in this build; "
-        f"the forms served are {FORMS}"
-    )
-
-
 def _task_budget(task_name: str) -> int | Unset | None:
     """Return the ``emq_max_stalled`` attribute of a task of the current app."""
     from celery._state import get_current_app
@@ -826,40 +715,3 @@ def _task_budget(task_name: str) -> int | Unset | None:
     if task is None or not hasattr(task, BUDGET_OPTION):
         return UNSET
     return _budget(getattr(task, BUDGET_OPTION))
-
-
-class Transport(kombu_redis.Transport):
-    """The ``emq://`` transport (``emqs://`` for TLS)."""
-
-    Channel = Channel
-    driver_name = "emq"
-    # kombu reads these from the class. A cluster in transition (CLUSTERDOWN
-    # while a master fails over, TRYAGAIN while slots move) is a connection
-    # error: Celery reconnects and retries. A single server never answers so.
-    connection_errors = (
-        *kombu_redis.Transport.connection_errors,
-        redis.exceptions.ClusterError,
-        redis.exceptions.TryAgainError,
-        # No node of a cluster answers, or none serves a slot (SlotNotCoveredError).
-        redis.exceptions.RedisClusterException,
-    )
-    implements = kombu_redis.Transport.implements.extend(batch_publish=True)
-
-    def __init__(self, client: Any, *args: Any, **kwargs: Any) -> None:
-        # Read the URL before anything connects: a form kombu does not know
-        # would otherwise connect to localhost:6379.
-        self.target = target_of(client)
-        self.Channel = _channel_class(self.target)
-        super().__init__(client, *args, **kwargs)
-        # A worker builds its transport (for its banner) before it forks its
-        # pool: the probes installed now are inherited by every pool process.
-        install_worker_probes()
-        # Flower builds one to name the broker before it reads queue lengths.
-        # ``import celery_emq`` registers with Flower only if Flower was loaded
-        # first, which the order Celery loads its command plugins in decides.
-        register_with_flower_if_loaded()
-
-    @property
-    def supports_batch_publish(self) -> bool:
-        """Batches are safe to send again (see batch.py), whatever the retry options."""
-        return True

@@ -30,12 +30,12 @@ import threading
 from typing import Any
 from urllib.parse import urlparse
 
-from .errors import InvalidOptionError
-from .keys import QueueKeys
-from .options import EmqOptions
-from .scripts import Scripts, read_tally, script_source
-from .store import LANE_PAGE
-from .topology import BrokerTarget, target_of
+from celery_emq.errors import InvalidOptionError
+from celery_emq.options import EmqOptions
+from celery_emq.store.jobstore import LANE_PAGE
+from celery_emq.store.keys import QueueKeys
+from celery_emq.store.scripts import Scripts, read_tally, script_source
+from celery_emq.store.topology import BrokerTarget, target_of
 
 __all__ = ["register"]
 
@@ -218,8 +218,8 @@ def attach(flower_app: Any) -> None:
     with _lock:
         if getattr(flower_app, "emq_store", None) is not None:
             return
-        from .metrics import AppStore
-        from .morgue_page import FlowerTemplates, handlers, loader_options
+        from celery_emq.ops.metrics import AppStore
+        from celery_emq.ops.morgue_page import FlowerTemplates, handlers, loader_options
 
         flower_app.emq_store = AppStore(flower_app.capp)
         prefix = "/" + (getattr(flower_app.options, "url_prefix", "") or "").strip("/")
@@ -227,8 +227,8 @@ def attach(flower_app: Any) -> None:
         try:
             from prometheus_client import REGISTRY, CollectorRegistry
 
-            from .metrics import EmqCollector
-            from .metrics_page import MetricsPage
+            from celery_emq.ops.metrics import EmqCollector
+            from celery_emq.ops.metrics_page import MetricsPage
         except ImportError:  # pragma: no cover - Flower itself depends on prometheus_client
             logger.warning("prometheus_client is missing: no emq metrics in Flower")
         else:

@@ -42,11 +42,11 @@ from typing import Any
 import redis
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
-from ._compat import sentinel_connection_classes
-from .discovery import BoundedSentinel, sentinel_kwargs
-from .errors import InvalidOptionError
-from .topology import BrokerTarget
-from .transport import Channel
+from celery_emq.errors import InvalidOptionError
+from celery_emq.store.discovery import BoundedSentinel, sentinel_kwargs
+from celery_emq.store.topology import BrokerTarget
+from celery_emq.transport.channel import Channel
+from celery_emq.transport.compat import sentinel_connection_classes
 
 __all__ = ["MASTER_CHECK_S", "SentinelChannel"]
 

@@ -29,16 +29,16 @@ from typing import Any
 
 import click
 
-from ._format import age as _age
-from ._format import when as _when
-from .errors import EmqError, UnknownJobError
-from .jobs import accepted_content
-from .morgue import REASONS, DeadJob, Morgue
-from .options import EmqOptions
-from .server import check_server
-from .status import queue_statuses
-from .store import JobStore
-from .sweeper import Sweeper
+from celery_emq.errors import EmqError, UnknownJobError
+from celery_emq.ops.format import age as _age
+from celery_emq.ops.format import when as _when
+from celery_emq.ops.morgue import REASONS, DeadJob, Morgue
+from celery_emq.options import EmqOptions
+from celery_emq.store.jobstore import JobStore
+from celery_emq.store.server import check_server
+from celery_emq.store.status import queue_statuses
+from celery_emq.transport.jobs import accepted_content
+from celery_emq.transport.sweeper import Sweeper
 
 __all__ = ["emq"]
 
@@ -108,7 +108,7 @@ def _emit(data: Any, as_json: bool, human: Callable[[], str]) -> None:
 @contextmanager
 def _opened(ctx: click.Context) -> Iterator[tuple[JobStore, EmqOptions, Any]]:
     app = ctx.obj.app
-    from .tasks import open_store
+    from celery_emq.ops.tasks import open_store
 
     try:
         with open_store(app) as (store, options):
@@ -516,7 +516,7 @@ def migrate(
     as_json: bool,
 ) -> None:
     """Move tasks waiting on the stock redis:// transport into this app's emq:// broker."""
-    from .migrate import migrate_app
+    from celery_emq.ops.migrate import migrate_app
 
     try:
         counts = migrate_app(
@@ -568,7 +568,7 @@ def exporter(ctx: click.Context, port: int, addr: str) -> None:
     import signal
     from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-    from .metrics import AppStore, EmqCollector
+    from celery_emq.ops.metrics import AppStore, EmqCollector
 
     class QuietHandler(WSGIRequestHandler):
         def log_message(self, format: str, *args: Any) -> None:

@@ -43,8 +43,8 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .status import queue_statuses
-from .store import JobStore
+from celery_emq.store.jobstore import JobStore
+from celery_emq.store.status import queue_statuses
 
 __all__ = ["AppStore", "EmqCollector"]
 
@@ -82,8 +82,8 @@ class AppStore:
         """Return the store, opening the app's broker connection if none is open."""
         with self._lock:
             if self._store is None:
-                from .errors import EmqError
-                from .transport import Channel
+                from celery_emq.errors import EmqError
+                from celery_emq.transport.channel import Channel
 
                 conn = self.app.connection_for_write()
                 channel = conn.default_channel

@@ -21,15 +21,15 @@ from typing import Any
 from celery import states
 from celery.backends.rpc import RPCBackend
 
-from . import lease
-from .errors import StalledJobError
-from .jobs import NEVER_STARTED, JobInfo, accepted_content, describe
-from .nodes import Lanes, Troubles
-from .options import EmqOptions
-from .scripts import Outcome, Swept
-from .signals import job_dead_lettered, job_recovered, job_stalled
-from .store import PROMOTE_BATCH, JobStore
-from .worker_state import worker_nodename
+from celery_emq.errors import StalledJobError
+from celery_emq.options import EmqOptions
+from celery_emq.signals import job_dead_lettered, job_recovered, job_stalled
+from celery_emq.store.jobstore import PROMOTE_BATCH, JobStore
+from celery_emq.store.nodes import Lanes, Troubles
+from celery_emq.store.scripts import Outcome, Swept
+from celery_emq.transport import lease
+from celery_emq.transport.jobs import NEVER_STARTED, JobInfo, accepted_content, describe
+from celery_emq.transport.process import host
 
 __all__ = ["SweepReport", "Sweeper", "sweep_thread"]
 
@@ -342,7 +342,7 @@ class Sweeper:
         worker), else the worker that last held the job (from its stall
         history). Never a made-up node: Flower would list it as a worker.
         """
-        node = self.node or worker_nodename()
+        node = self.node or host().nodename()
         if node:
             return node
         try:

@@ -107,10 +107,10 @@ class EmqTestKit:
     """
 
     def __init__(self, app: Any) -> None:
-        from .jobs import accepted_content
-        from .morgue import Morgue
-        from .sweeper import Sweeper
-        from .tasks import open_store
+        from celery_emq.ops.morgue import Morgue
+        from celery_emq.ops.tasks import open_store
+        from celery_emq.transport.jobs import accepted_content
+        from celery_emq.transport.sweeper import Sweeper
 
         self.app = app
         self._stack = ExitStack()
@@ -160,7 +160,7 @@ class EmqTestKit:
         Raises:
             TimeoutError: not started within ``timeout`` seconds.
         """
-        from .scripts import live_token
+        from celery_emq.store.scripts import live_token
 
         deadline = time.monotonic() + timeout
         while True:
@@ -188,7 +188,7 @@ class EmqTestKit:
         Raises:
             LookupError: no active job of ``ident``.
         """
-        from .scripts import live_token, new_nonce
+        from celery_emq.store.scripts import live_token, new_nonce
 
         found = self.find(ident, queue)
         if found is None:

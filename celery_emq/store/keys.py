@@ -79,7 +79,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from .errors import InvalidQueueNameError
+from celery_emq.errors import InvalidQueueNameError
 
 __all__ = ["JOB_FIELDS", "QueueKeys"]
 

@@ -32,7 +32,7 @@ from typing import Any
 import redis
 from redis.sentinel import MasterNotFoundError, Sentinel
 
-from .retries import connection_retry
+from celery_emq.store.retries import connection_retry
 
 __all__ = ["BoundedSentinel", "not_answering", "sentinel_kwargs"]
 

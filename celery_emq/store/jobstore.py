@@ -12,10 +12,10 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from .codec import pack, unpack
-from .errors import ReplicasUnconfirmedError
-from .keys import QueueKeys
-from .scripts import UNSET, Batch, Claimed, NewJob, Outcome, Scripts, Swept, Unset
+from celery_emq.errors import ReplicasUnconfirmedError
+from celery_emq.store.codec import pack, unpack
+from celery_emq.store.keys import QueueKeys
+from celery_emq.store.scripts import UNSET, Batch, Claimed, NewJob, Outcome, Scripts, Swept, Unset
 
 __all__ = ["JobStore"]
 

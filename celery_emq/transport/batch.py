@@ -33,9 +33,9 @@ from typing import Any, Protocol
 
 import redis
 
-from .errors import BatchFlushError
-from .scripts import NewJob, Outcome
-from .store import JobStore
+from celery_emq.store.jobstore import JobStore
+from celery_emq.store.scripts import NewJob, Outcome
+from celery_emq.transport.errors import BatchFlushError
 
 __all__ = ["BATCH_ARGUMENT", "PublishBatch", "is_broker_full"]
 

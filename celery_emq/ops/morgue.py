@@ -32,9 +32,9 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .errors import UnknownJobError
-from .jobs import DEFAULT_ACCEPT, accepted_content, describe
-from .store import JobStore
+from celery_emq.errors import UnknownJobError
+from celery_emq.store.jobstore import JobStore
+from celery_emq.transport.jobs import DEFAULT_ACCEPT, accepted_content, describe
 
 __all__ = ["REASONS", "DeadJob", "Morgue"]
 
@@ -100,7 +100,7 @@ class Morgue:
     @contextmanager
     def from_app(cls, app: Any) -> Iterator[Morgue]:
         """Open the Celery app's broker and yield its morgue (a context manager)."""
-        from .tasks import open_store
+        from celery_emq.ops.tasks import open_store
 
         with open_store(app) as (store, _options):
             yield cls(store, accepted_content(app))

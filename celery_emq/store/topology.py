@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from .errors import InvalidBrokerURLError
+from celery_emq.errors import InvalidBrokerURLError
 
 __all__ = ["FORMS", "BrokerTarget", "target_of"]
 

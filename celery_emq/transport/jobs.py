@@ -10,7 +10,7 @@ from typing import Any
 
 from kombu import serialization
 
-from .codec import unpack
+from celery_emq.store.codec import unpack
 
 #: kombu's (untyped) deserializer, honouring the message's content type.
 deserialize: Callable[..., Any] = serialization.loads

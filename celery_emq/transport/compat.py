@@ -3,11 +3,8 @@
 The transport's channel subclasses kombu's Redis ``Channel`` and leans on a few
 of its attributes that only recent kombu has. :class:`ChannelCompat` comes
 first in the channel's bases and gives each of them the kombu 5.7 behaviour on
-every supported release. :func:`keep_started_jobs_on_flush` mends a Celery
-worker that forgets, on a broker reconnect, tasks its pool children run (before
-5.6.3 all of them; since, those written to a child not yet heard to start).
-:func:`sentinel_connection_classes` mends redis-py 5.0.0's Sentinel connections,
-which break pub/sub.
+every supported release. :func:`sentinel_connection_classes` mends redis-py
+5.0.0's Sentinel connections, which break pub/sub.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ from typing import Any
 from kombu.transport import redis as kombu_redis
 from kombu.transport.base import to_rabbitmq_queue_arguments
 
-__all__ = ["ChannelCompat", "keep_started_jobs_on_flush", "sentinel_connection_classes"]
+__all__ = ["ChannelCompat", "sentinel_connection_classes"]
 
 _KOMBU_OPTIONS: tuple[str, ...] = tuple(kombu_redis.Channel.from_transport_options)
 
@@ -65,42 +62,6 @@ class ChannelCompat:
         flush = getattr(super(), "_flush_brpop_reauth", None)
         if flush is not None:
             flush()
-
-
-def keep_started_jobs_on_flush() -> None:
-    """Keep the prefork pool's jobs a child has, or will run, when the connection drops.
-
-    On a broker reconnect Celery empties the prefork pool's job table
-    (``AsynPool.flush``): before 5.6.3 of every job, since of every job a child
-    has not yet acknowledged starting. But a job already written to a child's
-    pipe (``_write_to``) is read and run by that child all the same, and its
-    task then finishes unseen by the worker, which never acks it: under
-    kombu's ``redis://`` the message was requeued at the reconnect and runs
-    twice; here its claim, kept for the started task, would stay leased for
-    ever. Jobs a child accepted or was written are kept; only those still in
-    the outgoing buffer (no child will see them) are dropped. Installed once
-    per process.
-    """
-    from celery.concurrency.asynpool import AsynPool
-
-    flush = AsynPool.flush
-    if getattr(flush, "_emq_compat", False):
-        return
-
-    def flush_keeping_started(self: Any) -> Any:
-        kept = {
-            key: job
-            for key, job in self._cache.items()
-            if job._accepted or getattr(job, "_write_to", None) is not None
-        }
-        try:
-            return flush(self)
-        finally:
-            for key, job in kept.items():
-                self._cache.setdefault(key, job)
-
-    flush_keeping_started._emq_compat = True  # type: ignore[attr-defined]
-    AsynPool.flush = flush_keeping_started
 
 
 def sentinel_connection_classes() -> tuple[type[Any], type[Any]]:

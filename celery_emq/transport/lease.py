@@ -27,11 +27,12 @@ import uuid
 from functools import partial
 from typing import TYPE_CHECKING, NamedTuple
 
-from .nodes import Lanes, Troubles
-from .scripts import Outcome
+from celery_emq.store.nodes import Lanes, Troubles
+from celery_emq.store.scripts import Outcome
+from celery_emq.transport.process import host
 
 if TYPE_CHECKING:
-    from .store import JobStore
+    from celery_emq.store.jobstore import JobStore
 
 __all__ = [
     "Claim",
@@ -95,9 +96,7 @@ def worker_identity() -> str:
     """
     global _identity
     if _identity is None:
-        from .worker_state import worker_nodename
-
-        node = worker_nodename() or socket.gethostname()
+        node = host().nodename() or socket.gethostname()
         _identity = f"{node}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
     return _identity
 
@@ -470,9 +469,7 @@ class LeaseKeeper:
                 continue
             try:
                 if self._unseen:
-                    from .worker_state import started_delivery_tags
-
-                    self.let_go_of_orphans(started_delivery_tags(), ORPHAN_AFTER_S)
+                    self.let_go_of_orphans(host().started_delivery_tags(), ORPHAN_AFTER_S)
                 self.renew_once()
                 failures = 0
             except Exception as exc:

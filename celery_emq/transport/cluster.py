@@ -34,9 +34,9 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import ClusterDownError, RedisClusterException
 
-from .nodes import Lanes, Troubles
-from .retries import CLUSTER_RETRIES, bound_cluster, cluster_class, cluster_retry
-from .transport import Channel
+from celery_emq.store.nodes import Lanes, Troubles
+from celery_emq.store.retries import CLUSTER_RETRIES, bound_cluster, cluster_class, cluster_retry
+from celery_emq.transport.channel import Channel
 
 __all__ = ["ClusterChannel"]
 
