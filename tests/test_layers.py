@@ -1,0 +1,83 @@
+"""The layers: old module paths still import, warn and give the new module; the docs list them."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from celery_emq._moved import MOVED
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(("old", "new"), sorted(MOVED.items()))
+def test_an_old_path_warns_and_gives_the_module_at_its_new_path(old: str, new: str) -> None:
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=re.escape(new)):
+        module = importlib.import_module(old)
+    assert module is importlib.import_module(new)
+
+
+def test_the_paths_the_docs_and_examples_name_still_work() -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from celery_emq.flower import register
+        from celery_emq.jobs import JobInfo
+        from celery_emq.status import queue_status
+        from celery_emq.sweeper import Sweeper
+    from celery_emq.store import JobStore
+    from celery_emq.tasks import open_store
+
+    assert all(callable(x) for x in (register, JobInfo, queue_status, Sweeper, JobStore, open_store))
+
+
+def test_paths_stored_outside_the_code_keep_their_homes() -> None:
+    """Result backends, users' include, signal receivers and kombu name these paths."""
+    from kombu.utils.imports import symbol_by_name
+
+    import celery_emq
+    from celery_emq import errors, signals, tasks
+    from celery_emq.transport.transport import Transport
+
+    assert errors.StalledJobError.__module__ == "celery_emq.errors"
+    assert tasks.sweep.name == "celery_emq.sweep"
+    assert signals.job_dead_lettered.name == "job_dead_lettered"
+    assert symbol_by_name("celery_emq.transport:Transport") is Transport
+    assert celery_emq.StalledJobError is errors.StalledJobError
+
+
+def test_the_architecture_page_lists_every_moved_path() -> None:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    listed = dict(re.findall(r"^\| `(celery_emq[\w.]*)` \| `(celery_emq[\w.]*)` \|$", text, re.M))
+    assert listed == MOVED
+
+
+def test_lint_imports_keeps_the_layers() -> None:
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "lint-imports")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "0 broken" in done.stdout
+
+
+def test_at_most_ten_modules_at_the_top_and_none_over_500_lines() -> None:
+    package = ROOT / "celery_emq"
+    top = [p for p in package.glob("*.py")]
+    assert len(top) <= 10, sorted(p.name for p in top)
+    long = {
+        str(p.relative_to(package)): n
+        for p in package.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 500
+    }
+    assert not long, long
