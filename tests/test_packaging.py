@@ -144,7 +144,7 @@ def test_page_templates_ship_and_the_exporter_names_its_extra(venv: Venv, app_di
             venv.bin("python"),
             "-c",
             "import importlib.resources as r, sys; "
-            "t = r.files('celery_emq') / 'templates' / 'emq'; "
+            "t = r.files('celery_emq.ops') / 'templates' / 'emq'; "
             "print(sorted(p.name for p in t.iterdir())); "
             "print('prometheus_client' in sys.modules)",
         ],
