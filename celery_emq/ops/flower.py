@@ -198,7 +198,7 @@ def attach(flower_app: Any) -> None:
     with _lock:
         if getattr(flower_app, "emq_store", None) is not None:
             return
-        from celery_emq.ops.metrics import AppStore
+        from celery_emq.ops.appstore import AppStore
         from celery_emq.ops.morgue_page import FlowerTemplates, handlers, loader_options
 
         flower_app.emq_store = AppStore(flower_app.capp)
