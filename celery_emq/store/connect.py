@@ -110,7 +110,8 @@ def store_timeout_s(options: EmqOptions, socket_timeout: float | None) -> float:
 def connect(endpoint: Endpoint, options: EmqOptions) -> tuple[JobStore, Callable[[], None]]:
     """Open a job store on ``endpoint``; return it and what closes its connections.
 
-    Nothing connects before the store's first command.
+    A single server or Sentinel connects on the store's first command; a
+    cluster's client reads the slot table from a seed node at once.
 
     Raises:
         InvalidOptionError: a Sentinel URL without ``master_name``.
