@@ -21,7 +21,7 @@ import redis
 from bench._common import private_redis, scan_delete
 from celery_emq.store.codec import pack
 from celery_emq.store.jobstore import JobStore
-from celery_emq.store.scripts import NewJob
+from celery_emq.store.outcomes import NewJob
 
 #: A Celery task message as ``emq://`` stores it (JSON text, 930 bytes).
 MESSAGE = (

@@ -137,7 +137,7 @@ def token_of(store: JobStore, queue: str, job_id: str) -> str:
 def bulk_start(store: JobStore, queue: str, claims: list[tuple[str, str]]) -> None:
     """Record that each claim ``(id, token)`` started its task, through one pipeline."""
     k = store.keys(queue)
-    script = store.scripts._scripts["start"]
+    script = store.scripts.registered["start"]
     with store.client.pipeline() as pipe:
         for job_id, token in claims:
             script(keys=[k.job(job_id), k.metrics("fenced")], args=[token], client=pipe)

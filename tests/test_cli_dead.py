@@ -10,7 +10,7 @@ import redis
 from celery import Celery
 from click.testing import CliRunner, Result
 
-from celery_emq.ops import cli
+from celery_emq.ops import cli_dead
 from celery_emq.ops.cli import emq as emq_cli
 from celery_emq.store.jobstore import JobStore
 from tests.test_morgue import snapshot, two_dead
@@ -92,7 +92,7 @@ def test_on_a_terminal_all_asks_first(
     verb: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(cli, "_interactive", lambda: True)
+    monkeypatch.setattr(cli_dead, "_interactive", lambda: True)
     before = snapshot(client, prefix)
     refused = run(app, "dead", verb, "--all", input="n\n")
     assert refused.exit_code == 1

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from celery_emq.ops import cli
+from celery_emq.ops import cli_dead as cli
 from celery_emq.store.jobstore import JobStore
 
 

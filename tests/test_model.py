@@ -55,7 +55,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from celery_emq.store.codec import pack
 from celery_emq.store.jobstore import JobStore
-from celery_emq.store.scripts import UNSET, Claimed, Outcome, Swept
+from celery_emq.store.outcomes import UNSET, Claimed, Outcome, Swept
 from tests.conftest import REDIS_URL, delete_prefix, dump_keys, forget_writes
 
 QUEUE = "q"

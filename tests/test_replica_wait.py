@@ -181,7 +181,7 @@ def test_a_lost_script_is_run_again_and_its_write_confirmed_too(
     store: JobStore, client: redis.Redis
 ) -> None:
     own = JobStore(store.client, store.prefix, store.lease_ms, wait_replicas=1, wait_timeout_ms=20)
-    own.scripts._scripts["enqueue"].sha = "0" * 40  # as if the server had lost it (a failover)
+    own.scripts.registered["enqueue"].sha = "0" * 40  # as if the server had lost it (a failover)
     before = waits(client)
     with pytest.raises(ReplicasUnconfirmedError):
         own.enqueue("q", "a", "{}")

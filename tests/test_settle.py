@@ -14,8 +14,9 @@ import pytest
 import redis
 from redis.connection import AbstractConnection
 
+from celery_emq.store.batch import Batch
 from celery_emq.store.jobstore import JobStore
-from celery_emq.store.scripts import Batch, Outcome
+from celery_emq.store.outcomes import Outcome
 from celery_emq.transport import settle
 from celery_emq.transport.lease import Claim, LeaseKeeper
 from celery_emq.transport.settle import SETTLE_BATCH, SettleBatcher
@@ -190,7 +191,7 @@ def test_one_queue_whose_ack_fails_leaves_the_others_acked(
 
 def test_a_script_the_server_lost_is_loaded_and_run(store: JobStore) -> None:
     own = JobStore(store.client, store.prefix, store.lease_ms)
-    own.scripts._scripts["ack"].sha = "0" * 40  # as if the server had no such script
+    own.scripts.registered["ack"].sha = "0" * 40  # as if the server had no such script
     [claim] = claims_of(own, "q", ["a"])
     batch = own.scripts.batch()
     handle = batch.ack(own.keys("q"), [(claim.job_id, claim.token)])
@@ -314,7 +315,7 @@ def test_a_cluster_that_cannot_be_reached_is_a_connection_error() -> None:
             raise redis.exceptions.RedisClusterException("Redis Cluster cannot be connected")
 
     with pytest.raises(redis.ConnectionError, match="cannot be connected"):
-        Scripts(Unreachable())._run("ack", ["k"], [])
+        Scripts(Unreachable()).run("ack", ["k"], [])
     from celery_emq.transport.transport import Transport
 
     assert issubclass(redis.exceptions.RedisClusterException, Transport.connection_errors)

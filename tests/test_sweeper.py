@@ -13,7 +13,7 @@ from celery import Celery
 from celery_emq import EmqOptions, StalledJobError
 from celery_emq.signals import job_dead_lettered, job_recovered, job_stalled
 from celery_emq.store.jobstore import JobStore
-from celery_emq.store.scripts import Outcome
+from celery_emq.store.outcomes import Outcome
 from celery_emq.transport import lease
 from celery_emq.transport.jobs import JobInfo
 from celery_emq.transport.lease import delivery_tag

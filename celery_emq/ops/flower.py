@@ -21,7 +21,6 @@ the first emq:// connection in the process calls it otherwise, which covers
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import gc
 import logging
@@ -32,9 +31,7 @@ from urllib.parse import urlparse
 
 from celery_emq.errors import InvalidOptionError
 from celery_emq.options import EmqOptions
-from celery_emq.store.jobstore import LANE_PAGE
-from celery_emq.store.keys import QueueKeys
-from celery_emq.store.scripts import Scripts, read_tally, script_source
+from celery_emq.store.tally_async import AsyncTally
 from celery_emq.store.topology import BrokerTarget, target_of
 
 __all__ = ["register"]
@@ -65,39 +62,25 @@ def register() -> bool:
             options = EmqOptions.from_transport_options(kwargs.get("broker_options") or {})
             self.key_prefix = options.key_prefix
 
-        async def _tallies(self, tally: Any, keys: list[QueueKeys]) -> list[Any]:
-            async with self.redis.pipeline() as pipe:
-                for k in keys:
-                    await tally(Scripts.tally_keys(k), [0, LANE_PAGE, 0], client=pipe)
-                return list(await pipe.execute())
+        #: Whether the queues' tallies go in one pipeline (not on a cluster).
+        pipelined = True
 
         async def queues(self, names: list[str]) -> list[dict[str, Any]]:
             names = list(names)
-            keys = [QueueKeys(self.key_prefix, n) for n in names]
             try:
-                # One tally script call per queue (and per LANE_PAGE lanes), one round trip.
-                tally = self.redis.register_script(script_source("tally"))
-                replies = await self._tallies(tally, keys)
-                out = []
-                for name, k, reply in zip(names, keys, replies, strict=True):
-                    counts, page = read_tally(reply)
-                    lane_sizes = [n for _, n, _ in page]
-                    while len(lane_sizes) < counts["lanes"] and len(page) == LANE_PAGE:
-                        more = [len(lane_sizes), LANE_PAGE, 0]
-                        page = read_tally(await tally(Scripts.tally_keys(k), more))[1]
-                        lane_sizes += [n for _, n, _ in page]
-                    pending = counts["pending"] + sum(lane_sizes)
-                    out.append(
-                        {
-                            "name": name,
-                            "messages": pending + counts["active"],
-                            "messages_ready": pending,
-                            "messages_unacknowledged": counts["active"],
-                            "messages_dead": counts["dead"],
-                            "messages_delayed": counts["delayed"],
-                        }
-                    )
-                return out
+                tally = AsyncTally(self.redis, self.key_prefix, self.pipelined)
+                rows = await tally.counts(names)
+                return [
+                    {
+                        "name": name,
+                        "messages": counts["pending"] + counts["active"],
+                        "messages_ready": counts["pending"],
+                        "messages_unacknowledged": counts["active"],
+                        "messages_dead": counts["dead"],
+                        "messages_delayed": counts["delayed"],
+                    }
+                    for name, counts in zip(names, rows, strict=True)
+                ]
             finally:
                 await _close(self.redis)
 
@@ -161,11 +144,8 @@ def register() -> bool:
                 if isinstance(use_ssl, dict):
                     options.update(use_ssl)
             self.redis = RedisCluster(**options)
-
-        async def _tallies(self, tally: Any, keys: list[QueueKeys]) -> list[Any]:
             # Each queue on the master of its slot, all at once.
-            calls = (tally(Scripts.tally_keys(k), [0, LANE_PAGE, 0]) for k in keys)
-            return list(await asyncio.gather(*calls))
+            self.pipelined = False
 
     original = fb.Broker.__new__
 
@@ -218,7 +198,7 @@ def attach(flower_app: Any) -> None:
     with _lock:
         if getattr(flower_app, "emq_store", None) is not None:
             return
-        from celery_emq.ops.metrics import AppStore
+        from celery_emq.ops.appstore import AppStore
         from celery_emq.ops.morgue_page import FlowerTemplates, handlers, loader_options
 
         flower_app.emq_store = AppStore(flower_app.capp)

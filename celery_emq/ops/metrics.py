@@ -36,13 +36,13 @@ extra); nothing else in celery_emq imports this module.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from celery_emq.ops.appstore import AppStore
 from celery_emq.store.jobstore import JobStore
 from celery_emq.store.status import queue_statuses
 
@@ -64,44 +64,6 @@ COUNTERS: dict[str, tuple[str, bool, str]] = {
     "emq_jobs_dead_lettered": ("failed", True, "Jobs dead-lettered into the morgue."),
     "emq_jobs_retried": ("retried", False, "Dead jobs retried from the morgue."),
 }
-
-
-class AppStore:
-    """A Celery app's job store, opened on first use and kept open (thread-safe).
-
-    A broker error closes the connection, and the next :meth:`get` opens a new one.
-    """
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-        self._lock = threading.Lock()
-        self._conn: Any = None
-        self._store: JobStore | None = None
-
-    def get(self) -> JobStore:
-        """Return the store, opening the app's broker connection if none is open."""
-        with self._lock:
-            if self._store is None:
-                from celery_emq.errors import EmqError
-                from celery_emq.transport.channel import Channel
-
-                conn = self.app.connection_for_write()
-                channel = conn.default_channel
-                if not isinstance(channel, Channel):
-                    conn.release()
-                    raise EmqError(f"the broker {conn.as_uri()} is not a celery_emq transport")
-                self._conn, self._store = conn, channel.store
-            return self._store
-
-    def reset(self) -> None:
-        """Close the connection (after an error): the next :meth:`get` opens another."""
-        with self._lock:
-            conn, self._conn, self._store = self._conn, None, None
-        if conn is not None:
-            try:
-                conn.release()
-            except Exception:  # a broken connection may fail to close; it is dropped anyway
-                logger.debug("closing the broker connection failed", exc_info=True)
 
 
 class EmqCollector(Collector):

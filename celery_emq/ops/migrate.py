@@ -13,10 +13,10 @@ Crash-safe order, per batch of one list:
    migration's own (``<queue>\\x06\\x16emq.migrating``): atomic on the source, so
    an old worker still consuming cannot take a message being moved;
 2. enqueue each message of the batch into ``emq://`` with one script per message
-   (``enqueue.lua`` and, in the same script, the record of the source delivery
-   tag in the queue's ``migrated`` set, 7 days): a tag is recorded only when its
-   message is a job, and a message whose script failed (``NOSCRIPT`` after a
-   failover, an error) is neither;
+   (the store's ``take_in``: ``enqueue.lua`` and, in the same script, the record
+   of the source delivery tag in the queue's ``migrated`` set, 7 days): a tag is
+   recorded only when its message is a job, and a message whose script failed
+   (``NOSCRIPT`` after a failover, an error) is neither;
 3. only then delete from the staging list the messages whose tag is recorded;
    the others stay there and the run stops with an error.
 
@@ -41,12 +41,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kombu.transport.virtual.exchange import STANDARD_EXCHANGE_TYPES
-from redis.cluster import RedisCluster
 
 from celery_emq.errors import EmqError
-from celery_emq.store.codec import pack
 from celery_emq.store.jobstore import JobStore
-from celery_emq.store.scripts import UNSET, Outcome, _enqueue_call, script_source
+from celery_emq.store.outcomes import UNSET, NewJob, Outcome
+from celery_emq.store.take_in import MIGRATED_TTL_MS, take_in
 from celery_emq.transport.channel import (
     _KEYED,
     BUDGET_OPTION,
@@ -63,30 +62,10 @@ __all__ = ["MIGRATED_TTL_MS", "Migration", "QueueCount"]
 SEP = "\x06\x16"
 #: The suffix of a queue's staging list on the source.
 STAGING = SEP + "emq.migrating"
-#: How long a queue remembers the delivery tags it took in.
-MIGRATED_TTL_MS = 7 * 86_400_000
 #: Messages moved per transaction.
 BATCH = 200
 #: The lock one migration holds on the source (seconds; renewed each batch).
 LOCK_S = 60
-#: ``enqueue.lua`` with the record of the source's tag: KEYS are enqueue's and the
-#: queue's ``migrated`` set; ARGV are enqueue's and the tag, the time, the set's TTL.
-#: Answers -1 for a tag recorded before (nothing enqueued), else enqueue's answer;
-#: the tag is recorded only when that answer is OK or DUPLICATE, in the same script.
-TAKE_IN = f"""local function enqueue()
-{script_source("enqueue")}
-end
-local migrated, tag = KEYS[#KEYS], ARGV[#ARGV - 2]
-if redis.call('ZSCORE', migrated, tag) then
-  return -1
-end
-local done = enqueue()
-if done == {int(Outcome.OK)} or done == {int(Outcome.DUPLICATE)} then
-  redis.call('ZADD', migrated, ARGV[#ARGV - 1], tag)
-  redis.call('PEXPIRE', migrated, ARGV[#ARGV])
-end
-return done
-"""
 #: Celery's own exchanges: their queues hold replies and events, not tasks.
 INTERNAL_EXCHANGES = frozenset({"celery.pidbox", "reply.celery.pidbox", "celeryev"})
 
@@ -310,67 +289,45 @@ class Migration:
         One pipeline on the queue's keys, errors answered in place: a message
         whose script failed is neither a job nor recorded (``done`` false).
         """
-        k = self.store.keys(queue)
         jobs = [self._job(raw, redelivered) for raw in raws]
-        server = self._server_of(k.migrated)
-        sha = _text(server.script_load(TAKE_IN))
-        now_ms = self.store.server_ms()
-        with server.pipeline(transaction=False) as pipe:
-            for job in jobs:
-                keys, args = _enqueue_call(
-                    k,
-                    job["id"],
-                    pack(job["stored"]),
-                    job["priority"],
-                    None,
-                    0,
-                    job["budget"],
-                    job["group"],
-                    job["eta_ms"],
-                    job["task_id"],
-                )
-                pipe.evalsha(
-                    sha,
-                    len(keys) + 1,
-                    *keys,
-                    k.migrated,
-                    *args,
+        replies = take_in(
+            self.store,
+            queue,
+            [
+                (
                     job["tag"],
-                    now_ms,
-                    MIGRATED_TTL_MS,
+                    NewJob(
+                        job["id"],
+                        str(job["stored"]).encode(),
+                        job["priority"],
+                        job["budget"],
+                        job["group"],
+                        job["eta_ms"],
+                        job["task_id"],
+                    ),
                 )
-            replies = pipe.execute(raise_on_error=False)
+                for job in jobs
+            ],
+        )
         taken = _Taken()
         for reply in replies:
             if isinstance(reply, Exception):
                 taken.done.append(False)
                 taken.failed += 1
                 taken.error = taken.error or str(reply)
-            elif int(reply) == -1:
+            elif reply is None:
                 taken.done.append(True)
                 taken.already += 1
-            elif int(reply) in (Outcome.OK, Outcome.DUPLICATE):
+            elif reply in (Outcome.OK, Outcome.DUPLICATE):
                 taken.done.append(True)
                 taken.moved += 1
             else:
                 taken.done.append(False)
                 taken.failed += 1
-                taken.error = taken.error or f"enqueue.lua answered {reply!r}"
+                taken.error = taken.error or f"enqueue.lua answered {int(reply)}"
         if taken.moved and any(j["task"] for j in jobs):
             self.store.register(queue)
         return taken
-
-    def _server_of(self, key: str) -> Any:
-        """The client of the server holding ``key``: on a cluster, its slot's master.
-
-        redis-py's cluster pipeline takes no ``EVALSHA``; a queue's keys share one
-        slot, so a batch goes in one plain pipeline to that master. A call that
-        meets a moved slot there fails in place, like any other error.
-        """
-        client = self.store.client
-        if isinstance(client, RedisCluster):
-            return client.get_redis_connection(client.get_node_from_key(key))
-        return client
 
     def _job(self, raw: bytes, redelivered: bool) -> dict[str, Any]:
         """What ``Channel._put`` would enqueue for this stock message."""

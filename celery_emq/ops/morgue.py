@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from celery_emq.errors import UnknownJobError
+from celery_emq.ops.appstore import open_store
 from celery_emq.store.jobstore import JobStore
 from celery_emq.transport.jobs import DEFAULT_ACCEPT, accepted_content, describe
 
@@ -100,8 +101,6 @@ class Morgue:
     @contextmanager
     def from_app(cls, app: Any) -> Iterator[Morgue]:
         """Open the Celery app's broker and yield its morgue (a context manager)."""
-        from celery_emq.ops.tasks import open_store
-
         with open_store(app) as (store, _options):
             yield cls(store, accepted_content(app))
 

@@ -23,7 +23,7 @@ from flower.views import BaseHandler
 from tornado.ioloop import IOLoop
 
 from celery_emq.errors import EmqError, UnknownJobError
-from celery_emq.ops.format import age, when
+from celery_emq.ops.format import age, parse_time, when
 from celery_emq.ops.morgue import REASONS, Morgue
 from celery_emq.store.status import queue_statuses
 from celery_emq.transport.jobs import accepted_content
@@ -236,16 +236,10 @@ class Purge(Action):
 
 def _since_ms(text: str, server_ms: Callable[[], int]) -> int:
     """Read ``since``: a duration ago (``90s``, ``30m``, ``2h``, ``7d``) or an ISO-8601 time."""
-    import click
-
-    from celery_emq.ops.cli import _parse_time
-
     try:
-        parsed = _parse_time(text, "since")
-    except click.BadParameter as exc:
-        raise ValueError(f"since: {exc.message}") from None
-    assert parsed is not None
-    ms, ago = parsed
+        ms, ago = parse_time(text)
+    except ValueError as exc:
+        raise ValueError(f"since: {exc}") from None
     return server_ms() - ms if ago else ms
 
 

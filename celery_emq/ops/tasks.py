@@ -12,48 +12,17 @@ and makes workers import this module so the task is registered.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
-import redis
 from celery import shared_task
 
-from celery_emq.errors import EmqError
-from celery_emq.options import EmqOptions
-from celery_emq.store.jobstore import JobStore
+from celery_emq.ops.appstore import open_store
 from celery_emq.transport.sweeper import Sweeper
 
 __all__ = ["SWEEP_TASK", "open_store", "schedule_sweep", "sweep"]
 
 SWEEP_TASK = "celery_emq.sweep"
-
-
-@contextmanager
-def open_store(app: Any) -> Iterator[tuple[JobStore, EmqOptions]]:
-    """Open the app's broker and yield its job store and options.
-
-    Raises:
-        EmqError: the app's broker is not an emq:// transport.
-    """
-    from celery_emq.transport.channel import Channel
-
-    # kombu retries refused credentials as it retries an unreachable broker
-    # (about 6 s by default): they are reported at once instead.
-    with app.connection_for_write(transport_options={"errback": _credentials_refused}) as conn:
-        channel = conn.default_channel
-        if not isinstance(channel, Channel):
-            raise EmqError(
-                f"the broker {conn.as_uri()} is not a celery_emq transport "
-                "(use an emq:// URL, or broker_transport='celery_emq.transport:Transport')"
-            )
-        yield channel.store, channel.emq
-
-
-def _credentials_refused(exc: BaseException, _interval: float) -> None:
-    """Stop kombu's connection retries when the broker refused the credentials."""
-    if isinstance(exc, redis.AuthenticationError):
-        raise exc
 
 
 @shared_task(name=SWEEP_TASK, bind=True)

@@ -1,39 +1,42 @@
 """The job store: every queue transition, over Redis only (no kombu here).
 
-Each method is one atomic Lua transition (see ``lua/``). Time is the Redis
+Each transition is one atomic Lua script (see ``lua/``). Time is the Redis
 server's clock (the scripts read ``TIME``), so workers on hosts whose clocks
 disagree still agree on every deadline; a caller that passes ``now_ms`` sets
-the time instead, which is how tests move it.
+the time instead, which is how tests move it. The reads are
+:class:`~celery_emq.store.reads.Reads`, the queue registries
+:class:`~celery_emq.store.registry.Registry`.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
 from celery_emq.errors import ReplicasUnconfirmedError
-from celery_emq.store.codec import pack, unpack
-from celery_emq.store.keys import QueueKeys
-from celery_emq.store.scripts import UNSET, Batch, Claimed, NewJob, Outcome, Scripts, Swept, Unset
+from celery_emq.store.base import METRICS, PURGE_BATCH
+from celery_emq.store.batch import Batch
+from celery_emq.store.codec import pack
+from celery_emq.store.outcomes import UNSET, Claimed, NewJob, Outcome, Swept, Unset
+from celery_emq.store.reads import ACTIVE_PAGE, LANE_PAGE, OLDEST_LANE_PAGE, Reads
+from celery_emq.store.registry import Registry
 
-__all__ = ["JobStore"]
+# The page and batch sizes are read with the store by its callers.
+__all__ = [
+    "ACTIVE_PAGE",
+    "LANE_PAGE",
+    "METRICS",
+    "OLDEST_LANE_PAGE",
+    "PROMOTE_BATCH",
+    "PURGE_BATCH",
+    "JobStore",
+]
 
-#: Jobs one ``purge`` script call deletes before the store calls it again.
-PURGE_BATCH = 1000
-#: Most lanes one ``tally`` script call reads.
-LANE_PAGE = 10_000
-#: Most fair lanes one ``oldest`` script call reads (a call per priority band in use each).
-OLDEST_LANE_PAGE = 1000
-#: Most active jobs one ``oldest`` script call reads.
-ACTIVE_PAGE = 5000
 #: Most due delayed jobs one ``promote`` script call moves.
 PROMOTE_BATCH = 1000
-#: The counters every queue keeps (``<p>:{q}:metrics:<name>``, field ``count``).
-METRICS: tuple[str, ...] = ("completed", "recovered", "stalled", "failed", "retried")
 
 
-class JobStore:
+class JobStore(Reads, Registry):
     """Leased job queues on one Redis database.
 
     Args:
@@ -44,47 +47,6 @@ class JobStore:
             (0: none asked; see :meth:`confirm_replicas`).
         wait_timeout_ms: how long one confirmation may wait.
     """
-
-    def __init__(
-        self,
-        client: Any,
-        prefix: str,
-        lease_ms: int,
-        wait_replicas: int = 0,
-        wait_timeout_ms: int = 1000,
-    ) -> None:
-        self.client = client
-        self.prefix = prefix
-        self.lease_ms = lease_ms
-        self.wait_replicas = wait_replicas
-        self.wait_timeout_ms = wait_timeout_ms
-        self.scripts = Scripts(client)
-        self._keys: dict[str, QueueKeys] = {}
-
-    def keys(self, queue: str) -> QueueKeys:
-        """Return (and cache) the keys of one queue."""
-        k = self._keys.get(queue)
-        if k is None:
-            k = self._keys[queue] = QueueKeys(self.prefix, queue)
-        return k
-
-    def node_of(self, queue: str) -> str:
-        """Name the server holding ``queue``'s keys (``host:port``): what a fault takes down.
-
-        On a Cluster, the master serving the queue's slot as the client last
-        learnt it (``?`` if no node is known to serve it); else the one server.
-        """
-        locate = getattr(self.client, "get_node_from_key", None)
-        if locate is not None:
-            try:
-                return str(locate(self.keys(queue).active).name)
-            except Exception:
-                return "?"
-        pool = getattr(self.client, "connection_pool", None)
-        kwargs = getattr(pool, "connection_kwargs", {})
-        if kwargs.get("host"):
-            return f"{kwargs['host']}:{kwargs.get('port', 6379)}"
-        return str(getattr(pool, "service_name", None) or kwargs.get("path") or "redis")
 
     def enqueue(
         self,
@@ -340,125 +302,6 @@ class JobStore:
         """Return a wake marker a consumer popped but did not claim for (if still due)."""
         return self.scripts.give_back(self.keys(queue))
 
-    def register(self, queue: str) -> None:
-        """Record a task queue in the registry the sweep and the CLI iterate."""
-        self.client.sadd(self.registry_key, queue)
-
-    def unregister_unused(self, queues: Sequence[str]) -> list[str]:
-        """Drop from the registry those of ``queues`` that hold no key at all.
-
-        A task queue that ever completed a job keeps its counters, so only
-        queues that never held leased work (a reply queue registered by an
-        older version, a queue purged before any job ran) go. Returns them.
-        """
-        unused = [q for q, n in zip(queues, self._key_counts(queues), strict=True) if not n]
-        if unused:
-            self.client.srem(self.registry_key, *unused)
-        return unused
-
-    def _key_counts(self, queues: Sequence[str]) -> list[int]:
-        with self.client.pipeline(transaction=False) as pipe:
-            for q in queues:
-                k = self.keys(q)
-                metrics = (k.metrics(n) for n in METRICS)
-                pipe.exists(k.pending, k.active, k.dead, k.lanes, k.delayed, *metrics)
-            return [int(n) for n in pipe.execute()]
-
-    def declare_expiring(self, queue: str, ttl_ms: int) -> None:
-        """Record an ``x-expires`` queue and mark it in use for ``ttl_ms``."""
-        with self.client.pipeline(transaction=False) as pipe:
-            pipe.set(self.keys(queue).expires, 1, px=ttl_ms)
-            pipe.sadd(self.expiring_key, queue)
-            pipe.execute()
-
-    def note_binding(self, queue: str, table: str, member: str) -> None:
-        """Record that ``member`` of the binding table ``table`` binds an ``x-expires`` queue.
-
-        The expiry pass removes it from the table once the queue is gone (a
-        table that nothing else prunes: kombu's on a Redis Cluster).
-        """
-        self.client.sadd(self.keys(queue).bindings, json.dumps([table, member]))
-
-    def _unbind(self, queue: str) -> None:
-        """Remove a gone queue's recorded bindings from their tables."""
-        k = self.keys(queue)
-        for raw in self.client.smembers(k.bindings):
-            table, member = json.loads(raw)
-            self.client.srem(table, member)
-        self.client.delete(k.bindings)
-
-    def note_expiring(self, queue: str) -> None:
-        """Record an ``x-expires`` queue in the registry the expiry pass reads."""
-        self.client.sadd(self.expiring_key, queue)
-
-    def expire(self, limit: int = PURGE_BATCH) -> dict[str, int]:
-        """Purge the pending jobs of every ``x-expires`` queue left unused past its TTL.
-
-        Leased jobs finish (their acks still land); a queue with nothing left
-        loses its remaining keys (counters included) and leaves the registry.
-        Returns the number of jobs purged per queue.
-        """
-        purged: dict[str, int] = {}
-        for queue in sorted(_text(q) for q in self.client.smembers(self.expiring_key)):
-            k = self.keys(queue)
-            total = 0
-            while True:
-                n = self.scripts.purge(k, limit, expired=True, counters=METRICS)
-                if n < limit:
-                    break
-                total += n
-            if n < 0:
-                continue  # still in use
-            total += n
-            if total:
-                purged[queue] = total
-            if not self.client.exists(k.pending, k.active, k.dead, k.lanes, k.delayed):
-                self.client.srem(self.expiring_key, queue)
-                # A publish may have used the queue since: keep it registered then.
-                if self.client.exists(k.expires):
-                    self.client.sadd(self.expiring_key, queue)
-                else:
-                    self._unbind(queue)
-        return purged
-
-    @property
-    def expiring_key(self) -> str:
-        """``<p>:expiring``: the SET of ``x-expires`` queue names (outside any hash tag)."""
-        return f"{self.prefix}:expiring"
-
-    def queues(self) -> list[str]:
-        """Return the registered queue names, sorted."""
-        return sorted(_text(q) for q in self.client.smembers(self.registry_key))
-
-    @property
-    def registry_key(self) -> str:
-        """``<p>:queues``: the SET of queue names (outside any hash tag)."""
-        return f"{self.prefix}:queues"
-
-    def metrics(self, queue: str) -> dict[str, int]:
-        """Return the queue's counters: completed, recovered, stalled, failed, retried."""
-        k = self.keys(queue)
-        with self.client.pipeline(transaction=False) as pipe:
-            for name in METRICS:
-                pipe.hget(k.metrics(name), "count")
-            values = pipe.execute()
-        return {name: int(v or 0) for name, v in zip(METRICS, values, strict=True)}
-
-    def fenced(self, queue: str) -> dict[str, int]:
-        """Return how many settles named a claim that was not the live one, by verb.
-
-        Verbs: ``ack``, ``extend``, ``release``, ``bury``, ``charge``, ``start``.
-        Such a settle changes nothing of the live claim (a fenced ack only marks
-        the job completed); each one means two runs of a job overlapped, most
-        often after the server lost its last writes.
-        """
-        counts = self.client.hgetall(self.keys(queue).metrics("fenced"))
-        return {
-            _text(f).removeprefix("reason:"): int(v)
-            for f, v in counts.items()
-            if _text(f).startswith("reason:")
-        }
-
     def purge(self, queue: str) -> int:
         """Delete every waiting job of the queue (pending and delayed); return how many."""
         total = 0
@@ -467,116 +310,6 @@ class JobStore:
             total += n
             if n < PURGE_BATCH:
                 return total
-
-    def size(self, queue: str) -> int:
-        """Return how many jobs are pending, lanes included (kombu's queue size)."""
-        return self.counts(queue)["pending"]
-
-    def lanes(self, queue: str) -> dict[str, int]:
-        """Return each fair lane's pending count, by group."""
-        return self.tally(queue)[1]
-
-    def counts(self, queue: str) -> dict[str, int]:
-        """Return the number of pending (lanes included), active, delayed and dead jobs."""
-        counts = self.tally(queue)[0]
-        del counts["lanes"]
-        return counts
-
-    def tally(
-        self, queue: str, heads: bool = False
-    ) -> tuple[dict[str, int], dict[str, int], list[int]]:
-        """Return a queue's counts, its lanes' sizes and (with ``heads``) their heads' ages.
-
-        One script call per :data:`LANE_PAGE` lanes (one for most queues): the
-        counts are ``pending`` (lanes included), ``active``, ``delayed``, ``dead``
-        and ``lanes`` (how many); the lanes map each group with pending jobs to
-        their number; the heads are the ``enqueued_ms`` of each lane's next job.
-        """
-        counts, page = self.scripts.tally(self.keys(queue), 0, LANE_PAGE, heads)
-        return self._lanes_read(queue, counts, page, heads)
-
-    def tallies(
-        self, queues: Sequence[str], heads: bool = False
-    ) -> list[tuple[dict[str, int], dict[str, int], list[int]]]:
-        """Return :meth:`tally` of each of ``queues``, in one round trip for them all.
-
-        One more round trip per queue for each further :data:`LANE_PAGE` lanes
-        it has (none for most queues).
-        """
-        if not queues:
-            return []
-        batch = self.scripts.batch()
-        handles = [batch.tally(self.keys(q), 0, LANE_PAGE, heads) for q in queues]
-        batch.execute()
-        out = []
-        for queue, handle in zip(queues, handles, strict=True):
-            counts, page = batch.result(handle)
-            out.append(self._lanes_read(queue, counts, page, heads))
-        return out
-
-    def gauges(
-        self, queues: Sequence[str]
-    ) -> list[tuple[dict[str, int], dict[str, int], int | None, int | None]]:
-        """Return each queue's counts and lanes (as :meth:`tally`) and its two oldest times.
-
-        The times are the least ``enqueued_ms`` of its pending jobs (read at the
-        head of each priority band of each lane, see ``oldest.lua``) and the
-        least ``claimed_ms`` of its active jobs (``None`` when there are none).
-        One round trip for every queue, and one more for every queue past the
-        first :data:`OLDEST_LANE_PAGE` lanes or :data:`ACTIVE_PAGE` active jobs
-        (a script call for each further page of either).
-        """
-        if not queues:
-            return []
-        batch = self.scripts.batch()
-        handles = [
-            (
-                batch.tally(self.keys(q), 0, LANE_PAGE),
-                batch.oldest(self.keys(q), 0, OLDEST_LANE_PAGE, 0, ACTIVE_PAGE),
-            )
-            for q in queues
-        ]
-        batch.execute()
-        # The pages past the first, of every queue, in one more round trip.
-        more = self.scripts.batch()
-        rows = []
-        for queue, (tally, oldest) in zip(queues, handles, strict=True):
-            counts, page = batch.result(tally)
-            counts, lanes, _ = self._lanes_read(queue, counts, page, False)
-            pages = []
-            lanes_at, active_at = OLDEST_LANE_PAGE, ACTIVE_PAGE
-            while lanes_at < counts["lanes"] or active_at < counts["active"]:
-                lane_limit = OLDEST_LANE_PAGE if lanes_at < counts["lanes"] else 0
-                active_limit = ACTIVE_PAGE if active_at < counts["active"] else 0
-                k = self.keys(queue)
-                pages.append(more.oldest(k, lanes_at, lane_limit, active_at, active_limit))
-                lanes_at += OLDEST_LANE_PAGE
-                active_at += ACTIVE_PAGE
-            rows.append((counts, lanes, batch.result(oldest), pages))
-        more.execute()
-        out = []
-        for counts, lanes, (enqueued, claimed), pages in rows:
-            for handle in pages:
-                page_enqueued, page_claimed = more.result(handle)
-                enqueued, claimed = _least(enqueued, page_enqueued), _least(claimed, page_claimed)
-            out.append((counts, lanes, enqueued, claimed))
-        return out
-
-    def _lanes_read(
-        self,
-        queue: str,
-        counts: dict[str, int],
-        page: list[tuple[str, int, int | None]],
-        heads: bool,
-    ) -> tuple[dict[str, int], dict[str, int], list[int]]:
-        """Finish a tally from its first page: read the further lane pages, add the lanes up."""
-        rows = list(page)
-        while len(rows) < counts["lanes"] and len(page) == LANE_PAGE:
-            page = self.scripts.tally(self.keys(queue), len(rows), LANE_PAGE, heads)[1]
-            rows += page
-        lanes = {g: n for g, n, _ in rows if n}
-        counts["pending"] += sum(lanes.values())
-        return counts, lanes, [h for _, _, h in rows if h is not None]
 
     def waiting(self, queues: Sequence[str]) -> list[str]:
         """Promote due delayed jobs; return those of ``queues`` that have jobs to claim.
@@ -589,42 +322,3 @@ class JobStore:
         handles = [batch.promote(self.keys(q), PROMOTE_BATCH) for q in queues]
         batch.execute()
         return [q for q, h in zip(queues, handles, strict=True) if batch.result(h)[1]]
-
-    def exists(self, queue: str) -> bool:
-        """Return whether the queue holds any pending, delayed or active job."""
-        k = self.keys(queue)
-        return bool(self.client.exists(k.pending, k.active, k.lanes, k.delayed))
-
-    def server_ms(self) -> int:
-        """Return the Redis server's clock in ms: the time every deadline is read on."""
-        seconds, micros = self.client.time()
-        return int(seconds) * 1000 + int(micros) // 1000
-
-    def job(self, queue: str, job_id: str) -> dict[str, str]:
-        """Return one job as text: its row, with what the row leaves implied.
-
-        ``payload`` is the message's JSON text, ``queue`` the queue, and
-        ``stalled`` and ``deliveries`` are ``"0"`` until first used. Empty when
-        there is no such job.
-        """
-        k = self.keys(queue)
-        with self.client.pipeline(transaction=False) as pipe:
-            row, stored = pipe.hgetall(k.job(job_id)).get(k.msg(job_id)).execute()
-        if not row:
-            return {}
-        job = {"queue": queue, "stalled": "0", "deliveries": "0", "priority": "0"}
-        job.update({_text(f): _text(v) for f, v in row.items()})
-        if stored is not None:
-            try:
-                job["payload"] = _text(unpack(stored))
-            except ValueError:
-                job["payload"] = ""
-        return job
-
-
-def _least(a: int | None, b: int | None) -> int | None:
-    return b if a is None else a if b is None else min(a, b)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from celery_emq.store.jobstore import JobStore
-from celery_emq.store.scripts import Outcome
+from celery_emq.store.outcomes import Outcome
 from tests.e2e.app import client_app
 from tests.e2e.harness import Worker, wait_for
 

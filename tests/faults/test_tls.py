@@ -177,3 +177,29 @@ def test_plain_emq_cannot_talk_to_a_tls_port(tls_redis: tuple[int, Path]) -> Non
     ) as conn:
         with pytest.raises(Exception):  # noqa: B017  (whatever redis-py raises: no TLS)
             conn.channel()
+
+
+@pytest.mark.parametrize("verified", [True, False])
+def test_open_store_speaks_tls_as_the_channel_does(
+    tls_redis: tuple[int, Path], verified: bool
+) -> None:
+    from celery import Celery
+
+    from celery_emq.ops.appstore import open_store
+
+    port, ca = tls_redis
+    use_ssl = {"ssl_cert_reqs": ssl.CERT_REQUIRED}
+    if verified:
+        use_ssl["ssl_ca_certs"] = str(ca)
+    app = Celery("tls", broker=f"emqs://127.0.0.1:{port}/0", set_as_current=False)
+    app.conf.broker_use_ssl = use_ssl
+    q = Queue("tlsq-ops", Exchange("tlsq-ops", "direct"), "tlsq-ops")
+    with Connection(f"emqs://127.0.0.1:{port}/0", ssl={**use_ssl, "ssl_ca_certs": str(ca)}) as conn:
+        Producer(conn.channel()).publish("x", exchange=q.exchange, routing_key=q.name, declare=[q])
+    with open_store(app) as (store, _options):
+        if verified:
+            assert store.counts("tlsq-ops")["pending"] >= 1
+            store.purge("tlsq-ops")
+        else:
+            with pytest.raises(redis.ConnectionError, match=r"(?i)certificate|ssl"):
+                store.counts("tlsq-ops")

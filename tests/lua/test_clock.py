@@ -9,7 +9,7 @@ import redis
 
 from celery_emq import EmqOptions
 from celery_emq.store.jobstore import JobStore
-from celery_emq.store.scripts import Outcome
+from celery_emq.store.outcomes import Outcome
 from celery_emq.transport.sweeper import Sweeper
 
 HOUR_MS = 3_600_000

@@ -5,7 +5,7 @@ from __future__ import annotations
 import redis
 
 from celery_emq.store.jobstore import JobStore
-from celery_emq.store.scripts import Outcome
+from celery_emq.store.outcomes import Outcome
 
 
 def test_a_job_not_yet_due_waits_in_the_delayed_set(store: JobStore, client: redis.Redis) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 import redis
 
 from celery_emq.store.jobstore import JobStore
-from celery_emq.store.scripts import Outcome
+from celery_emq.store.outcomes import Outcome
 
 
 def test_enqueue_writes_row_pending_and_marker(store: JobStore, client: redis.Redis) -> None:

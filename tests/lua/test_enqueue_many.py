@@ -6,8 +6,9 @@ from typing import Any
 
 import redis
 
+from celery_emq.store.calls import ENQUEUE_BATCH
 from celery_emq.store.jobstore import JobStore
-from celery_emq.store.scripts import ENQUEUE_BATCH, UNSET, NewJob, Outcome
+from celery_emq.store.outcomes import UNSET, NewJob, Outcome
 
 #: A plain job, prioritised ones, one with its own budget, grouped ones (two
 #: groups), a delayed one with a task id and one whose ETA has passed.

@@ -7,7 +7,7 @@ import time
 import redis
 
 from celery_emq.store.jobstore import JobStore
-from celery_emq.store.scripts import Outcome
+from celery_emq.store.outcomes import Outcome
 
 TTL_MS = 200
 

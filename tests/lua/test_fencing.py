@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from celery_emq.store.jobstore import JobStore
-from celery_emq.store.scripts import Outcome, live_token
+from celery_emq.store.outcomes import Outcome, live_token
 from tests.conftest import ManualKeeper, dump_keys, forget_writes, token_of
 
 LEASE_MS = 5000

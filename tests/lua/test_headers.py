@@ -9,7 +9,9 @@ from typing import Any
 import pytest
 
 from celery_emq.store.keys import QueueKeys
-from celery_emq.store.scripts import SCRIPT_NAMES, NewJob, Scripts, script_source
+from celery_emq.store.loader import SCRIPT_NAMES, script_source
+from celery_emq.store.outcomes import NewJob
+from celery_emq.store.scripts import Scripts
 
 HEADER = re.compile(r"^\s*(KEYS|ARGV)\[(\d+)(\.\.)?\]", re.M)
 KEY_LINE = re.compile(r"^\s*KEYS\[(\d+)\]\s+\w+\s+<p>:(\S+)", re.M)

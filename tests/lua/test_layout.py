@@ -8,7 +8,7 @@ import redis
 
 from celery_emq.store.codec import pack, unpack
 from celery_emq.store.jobstore import JobStore
-from celery_emq.store.scripts import Outcome
+from celery_emq.store.outcomes import Outcome
 from tests.test_codec import MESSAGE
 
 COMPACT = (b"listpack", b"ziplist")

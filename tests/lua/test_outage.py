@@ -9,7 +9,7 @@ lapsed in it (or within half a lease after it) one more lease, once.
 from __future__ import annotations
 
 from celery_emq.store.jobstore import JobStore
-from celery_emq.store.scripts import Outcome
+from celery_emq.store.outcomes import Outcome
 
 LEASE = 5000
 

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import redis
 
-from celery_emq.store.jobstore import PURGE_BATCH, JobStore
+from celery_emq.store.base import PURGE_BATCH
+from celery_emq.store.jobstore import JobStore
 from tests.conftest import bulk_enqueue
 
 

@@ -7,7 +7,7 @@ import json
 import redis
 
 from celery_emq.store.jobstore import JobStore
-from celery_emq.store.scripts import Outcome
+from celery_emq.store.outcomes import Outcome
 from tests.conftest import sweeps_ran_until
 
 #: Four prefetched deliveries of one worker; only the poison's task started.

@@ -7,7 +7,7 @@ import pytest
 import redis
 
 from celery_emq.store.jobstore import JobStore
-from celery_emq.store.scripts import Swept
+from celery_emq.store.outcomes import Swept
 from tests.conftest import bulk_enqueue, bulk_start, sweeps_ran_until, token_of
 
 

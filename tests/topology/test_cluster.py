@@ -371,7 +371,8 @@ def test_wait_replicas_waits_on_the_master_of_each_queue(
     from functools import partial
 
     from celery_emq.errors import ReplicasUnconfirmedError
-    from celery_emq.store.scripts import SCRIPT_NAMES, Outcome, script_source
+    from celery_emq.store.loader import SCRIPT_NAMES, script_source
+    from celery_emq.store.outcomes import Outcome
 
     prefix = cluster_prefix + "emq"
     store = JobStore(cluster_client, prefix, 30_000, wait_replicas=1, wait_timeout_ms=2000)

@@ -13,7 +13,8 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 import celery_emq  # noqa: F401  (registers emq://)
 from celery_emq.errors import BatchFlushError
 from celery_emq.store.jobstore import JobStore
-from celery_emq.store.scripts import Outcome, script_source
+from celery_emq.store.loader import script_source
+from celery_emq.store.outcomes import Outcome
 from tests.conftest import CLUSTER
 from tests.faults.servers import RedisServer
 from tests.transport.conftest import ConnFactory

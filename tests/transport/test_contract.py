@@ -13,8 +13,8 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 import celery_emq  # noqa: F401  (registers emq://)
 from celery_emq import EmqOptions, InvalidOptionError
+from celery_emq.store.batch import Batch
 from celery_emq.store.jobstore import JobStore
-from celery_emq.store.scripts import Batch
 from celery_emq.transport.lease import keeper, parse_tag
 from celery_emq.transport.sweeper import Sweeper
 from tests.conftest import CLUSTER, servers_of

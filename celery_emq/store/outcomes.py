@@ -1,0 +1,110 @@
+"""What the scripts hand back, typed: outcomes, claimed and swept jobs, and new jobs.
+
+The mapping from the scripts' integer codes to :class:`Outcome` lives in
+:mod:`.calls`; these are the values every layer above the store reads.
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+from dataclasses import dataclass
+
+__all__ = [
+    "UNSET",
+    "Claimed",
+    "NewJob",
+    "Outcome",
+    "Swept",
+    "Unset",
+    "live_token",
+    "new_nonce",
+]
+
+
+class Outcome(enum.IntEnum):
+    """What a transition did, as the scripts report it."""
+
+    OK = 0
+    NOT_FOUND = 1
+    LEASE_LOST = 2
+    DUPLICATE = 3
+    DEAD = 4
+    FENCED = 5
+    STARTED = 6
+    COMPLETED = 7
+
+
+class Unset(enum.Enum):
+    """The type of :data:`UNSET`."""
+
+    UNSET = "unset"
+
+
+#: Marks an argument left to the default (where ``None`` has a meaning of its own).
+UNSET = Unset.UNSET
+
+
+@dataclass(frozen=True)
+class Swept:
+    """One job a sweep examined: what it did and the job's stall count."""
+
+    id: str
+    #: "recovered" | "dead" | "requeued" (lapsed before it started: uncounted) |
+    #: "completed" (an older claim completed it: deleted) | "graced" (lapsed in an
+    #: outage: one more lease, uncounted)
+    outcome: str
+    stalled: int
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """One job handed out by ``claim``."""
+
+    id: str
+    #: the message as stored (see :mod:`celery_emq.store.codec`)
+    payload: bytes
+    stalled: int
+    deliveries: int
+    #: the claim's id, ``<deliveries>.<nonce>``: its fencing token, which every
+    #: settle of the claim names (see :func:`new_nonce`)
+    token: str
+    #: a delayed job promoted by a revoke of its task
+    revoked: bool = False
+
+
+@dataclass(frozen=True)
+class NewJob:
+    """One job for ``enqueue_many``: what one ``enqueue`` call is given."""
+
+    id: str
+    #: the message as stored (see :mod:`celery_emq.store.codec`)
+    payload: bytes
+    priority: int = 0
+    max_stalled: int | Unset | None = UNSET
+    group: str = ""
+    eta_ms: int | None = None
+    task_id: str = ""
+
+
+def live_token(claim: str | None, deliveries: str | None) -> str:
+    """Return the token of a row's live claim, as the scripts read it.
+
+    The claim id, unless the row was last claimed by an earlier version that
+    kept none: then the delivery count (a rolling upgrade).
+    """
+    if claim and deliveries and claim.split(".", 1)[0] == deliveries:
+        return claim
+    return deliveries or ""
+
+
+def new_nonce() -> str:
+    """Return a fresh random value for one claim call (64 bits from the OS).
+
+    A claim's id joins the job's delivery count with it. The count alone
+    repeats when the server loses its last writes (it rolls back, and the next
+    claim counts the same number again); the nonce is made by the caller, not
+    by the server, so no rollback can issue it again.
+    """
+    return secrets.token_hex(8)
