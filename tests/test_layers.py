@@ -35,7 +35,9 @@ def test_the_paths_the_docs_and_examples_name_still_work() -> None:
     from celery_emq.store import JobStore
     from celery_emq.tasks import open_store
 
-    assert all(callable(x) for x in (register, JobInfo, queue_status, Sweeper, JobStore, open_store))
+    assert all(
+        callable(x) for x in (register, JobInfo, queue_status, Sweeper, JobStore, open_store)
+    )
 
 
 def test_paths_stored_outside_the_code_keep_their_homes() -> None:
