@@ -94,8 +94,12 @@ class QoS(kombu_redis.QoS):
         Every claim costs a round trip (two after an idle wait), so a prefork
         or solo worker whose pool is busy tops up its prefetch in batches: it
         claims again once half its prefetch is free. It does not wait while a
-        pool process may idle (see :func:`claim_at_once`).
+        pool process may idle (see :func:`claim_at_once`). Nothing is claimed
+        while this process holds a suspect that has not started
+        (:meth:`~celery_emq.lease.LeaseKeeper.awaits_suspect`).
         """
+        if keeper().awaits_suspect():
+            return False
         pcount = self.prefetch_count
         if not pcount:
             return True
@@ -525,7 +529,7 @@ class Channel(ChannelCompat, kombu_redis.Channel):
         """
         budget = self.qos.can_consume_max_estimate()
         count = self.emq.claim_batch if budget is None else min(budget, self.emq.claim_batch)
-        if count <= 0:
+        if count <= 0 or keeper().awaits_suspect():
             if held:
                 self._give_back_marker(queue)
             return False
@@ -553,8 +557,12 @@ class Channel(ChannelCompat, kombu_redis.Channel):
 
         A job that lapsed before its task started may kill this process while
         it is received: the store hands it out only to a process that holds no
-        other claim (``alone``), so nothing else dies with it.
+        other claim (``alone``), so nothing else dies with it, and this process
+        claims nothing more, on any queue, until it is heard to start (see
+        :meth:`~celery_emq.lease.LeaseKeeper.hold_suspect`).
         """
+        if keeper().awaits_suspect():
+            return []
         claimed = self.store.claim(
             queue,
             self.owner,
@@ -571,6 +579,11 @@ class Channel(ChannelCompat, kombu_redis.Channel):
             [(c.id, c.token) for c in claimed],
             self.emq.renew_interval_ms,
         )
+        for job, tag in zip(claimed, tags, strict=True):
+            if job.suspect:
+                # The keeper renews its lease, so no lapse of it frees this
+                # process: one lease after its claim does.
+                keeper().hold_suspect(tag, self.emq.lease_ms / 1000)
         out = []
         try:
             for job, tag in zip(claimed, tags, strict=True):
