@@ -563,13 +563,19 @@ class Channel(ChannelCompat, kombu_redis.Channel):
         """
         if keeper().awaits_suspect():
             return []
+        alone = keeper().held_count() == 0
+        if alone and batcher().queued():
+            # Acks of claims already forgotten may still wait for company: were
+            # a suspect handed out now to kill this process, they would die
+            # unsent and their tasks run again. They go first.
+            batcher().flush()
         claimed = self.store.claim(
             queue,
             self.owner,
             count,
             held=held,
             ttl_ms=self._queue_ttl.get(queue, 0),
-            alone=keeper().held_count() == 0,
+            alone=alone,
         )
         if not claimed:
             return []

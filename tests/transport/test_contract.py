@@ -15,6 +15,7 @@ import celery_emq  # noqa: F401  (registers emq://)
 from celery_emq import EmqOptions, InvalidOptionError
 from celery_emq.lease import keeper, parse_tag
 from celery_emq.scripts import Batch
+from celery_emq.settle import batcher
 from celery_emq.store import JobStore
 from celery_emq.sweeper import Sweeper
 from tests.conftest import CLUSTER, servers_of
@@ -561,6 +562,47 @@ def test_a_suspect_not_yet_started_holds_back_every_other_claim_of_the_process(
             "dead": 0,
         }
     )
+    assert keeper().held_count(prefix) == 0
+
+
+def test_acks_waiting_to_be_sent_go_before_a_suspect_is_claimed(
+    connect: ConnFactory, store: JobStore, prefix: str
+) -> None:
+    # Inside a worker an ack waits a few ms for company (settle_delay_ms), its
+    # claim already forgotten. A suspect claimed meanwhile, were it to kill the
+    # process, would take the unsent ack with it: that task would run again.
+    conn, q = connect(), queue()
+    publish(conn, q, ["done"])
+    got: list[Any] = []
+    acked_before: list[int] = []  # jobs still active when the suspect arrived
+
+    def on_message(body: Any, message: Any) -> None:
+        got.append(body)
+        if body == "done":
+            message.ack()
+        else:
+            acked_before.append(store.counts("q")["active"])
+            message.ack()
+
+    b = batcher()
+    saved = (b.delay_ms, b.deferring)
+    try:
+        with Consumer(conn.channel(), [q], callbacks=[on_message], accept=["json"]):
+            b.delay_ms, b.deferring = 60_000, True  # as in a ready worker, but slow
+            consume_until(conn, got, 1, 5)
+            assert got == ["done"]
+            assert b.queued() == 1 and store.counts("q")["active"] == 1
+            publish(conn, q, ["suspect"])
+            [suspect_id] = [i.decode() for i in store.client.zrange(store.keys("q").pending, 0, -1)]
+            store.client.hset(store.keys("q").job(suspect_id), "lapsed", 1)
+            consume_until(conn, got, 2, 5)
+            assert got == ["done", "suspect"]
+            # Only the suspect was active: the ack had reached Redis before its claim.
+            assert acked_before == [1]
+    finally:
+        b.flush()
+        b.delay_ms, b.deferring = saved
+    assert store.counts("q") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
     assert keeper().held_count(prefix) == 0
 
 
