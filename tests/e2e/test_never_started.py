@@ -9,6 +9,8 @@ innocents around it run once each.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -53,9 +55,20 @@ def test_a_message_that_kills_a_prefork_worker_before_it_starts_reaches_the_morg
     # A long task runs in one pool process when the doomed message arrives.
     long = capp.send_task("tests.e2e.app.sleepy", args=(3, "long"))
     wait_for(lambda: runs(client, prefix).get("long") == 1, 15)
-    before = [capp.send_task("tests.e2e.app.sleepy", args=(0, f"b{i}")) for i in range(2)]
-    doomed = capp.send_task("tests.e2e.app.sleepy", args=(0, DOOM), serializer="doomed")
-    after = [capp.send_task("tests.e2e.app.sleepy", args=(0, f"a{i}")) for i in range(3)]
+    # The worker's main process is stopped while the six are published, so that
+    # its next claim takes them in one batch: it hands the two before the doomed
+    # one to the pool and dies on the doomed one in the same turn of its event
+    # loop, before any of them reaches a pool process. Published while it runs,
+    # an innocent could be claimed on its own and run in the free pool process,
+    # and the doomed message, unknown yet, kill the worker before it heard the
+    # result: that innocent would run again, whatever the transport does.
+    os.kill(w.proc.pid, signal.SIGSTOP)
+    try:
+        before = [capp.send_task("tests.e2e.app.sleepy", args=(0, f"b{i}")) for i in range(2)]
+        doomed = capp.send_task("tests.e2e.app.sleepy", args=(0, DOOM), serializer="doomed")
+        after = [capp.send_task("tests.e2e.app.sleepy", args=(0, f"a{i}")) for i in range(3)]
+    finally:
+        os.kill(w.proc.pid, signal.SIGCONT)
 
     def settled() -> bool:
         counts = store.counts("celery")
