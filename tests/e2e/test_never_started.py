@@ -55,6 +55,11 @@ def test_a_message_that_kills_a_prefork_worker_before_it_starts_reaches_the_morg
     # A long task runs in one pool process when the doomed message arrives.
     long = capp.send_task("tests.e2e.app.sleepy", args=(3, "long"))
     wait_for(lambda: runs(client, prefix).get("long") == 1, 15)
+    # Its start is recorded (the worker sends it within settle_delay_ms): stopped
+    # before, the worker could die with the record unsent, and the long task's
+    # lapse would count as one before a start, not as the stall asserted below.
+    long_job = _job_id(store, long.id)
+    wait_for(lambda: store.job("celery", long_job).get("started"), 5)
     # The worker's main process is stopped while the six are published, so that
     # its next claim takes them in one batch: it hands the two before the doomed
     # one to the pool and dies on the doomed one in the same turn of its event
