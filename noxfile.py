@@ -40,10 +40,12 @@ TESTS = [
     "tests/e2e/test_worker.py",
 ]
 
-#: The lost-writes tests, again on the oldest pair (redis-py's floor): a restart
-#: from a snapshot that loses a claim or an ack, and two masters.
+#: The weather tests, again on the oldest pair (redis-py's floor): a restart from
+#: a snapshot that loses a claim or an ack, two masters, and a message that kills
+#: its worker before its task starts.
 FLOOR_TESTS = [
     "tests/faults/test_lost_writes.py",
+    "tests/e2e/test_never_started.py",
 ]
 
 

@@ -244,7 +244,15 @@ class JobStoreModel(RuleBasedStateMachine):
             job.owner, job.deadline = owner, self.now + LEASE_MS
             # The claim id is random: it is read from the answer (see _took).
             expected.append(
-                Claimed(job.id, pack(job.payload), job.stalled, job.deliveries, "", revoked)
+                Claimed(
+                    job.id,
+                    pack(job.payload),
+                    job.stalled,
+                    job.deliveries,
+                    "",
+                    revoked,
+                    job.lapsed > 0,
+                )
             )
         if not self._in("pending") and not self.lanes:
             self.wake, self.cursor = 0, ""

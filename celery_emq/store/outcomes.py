@@ -72,6 +72,9 @@ class Claimed:
     token: str
     #: a delayed job promoted by a revoke of its task
     revoked: bool = False
+    #: handed out alone: the job lapsed before its task ever started, so it may be
+    #: a message that kills its worker while it is received
+    suspect: bool = False
 
 
 @dataclass(frozen=True)

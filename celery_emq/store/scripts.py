@@ -163,7 +163,8 @@ class Scripts(Loaded):
         """Claim up to ``count`` jobs, leasing each to ``owner`` under a fresh claim id.
 
         A job that lapsed before its task started is claimed only ``alone``
-        (the caller holds no other claim), and only as the first of the batch.
+        (the caller holds no other claim), and only as the first of the batch:
+        a batch of its own, its :class:`Claimed` marked ``suspect``.
         """
         nonce = new_nonce()
         reply = self.run(
@@ -171,7 +172,7 @@ class Scripts(Loaded):
             [k.pending, k.active, k.wake, k.seq, k.head, k.lanes, k.cursor, k.expires, k.base],
             [time_arg(now_ms), lease_ms, owner, count, held, ttl_ms, nonce, int(alone)],
         )
-        if len(reply) % 5:
+        if len(reply) % 6:
             raise ScriptContractError(f"claim.lua answered {len(reply)} items")
         return [
             Claimed(
@@ -181,8 +182,9 @@ class Scripts(Loaded):
                 int(reply[i + 3]),
                 f"{int(reply[i + 3])}.{nonce}",
                 bool(int(reply[i + 4])),
+                bool(int(reply[i + 5])),
             )
-            for i in range(0, len(reply), 5)
+            for i in range(0, len(reply), 6)
         ]
 
     def start(self, k: QueueKeys, job_id: str, token: str) -> Outcome:

@@ -437,7 +437,7 @@ class Channel(ChannelCompat, kombu_redis.Channel):
         """
         budget = self.qos.can_consume_max_estimate()
         count = self.emq.claim_batch if budget is None else min(budget, self.emq.claim_batch)
-        if count <= 0:
+        if count <= 0 or keeper().awaits_suspect():
             if held:
                 self._give_back_marker(queue)
             return False
@@ -465,15 +465,25 @@ class Channel(ChannelCompat, kombu_redis.Channel):
 
         A job that lapsed before its task started may kill this process while
         it is received: the store hands it out only to a process that holds no
-        other claim (``alone``), so nothing else dies with it.
+        other claim (``alone``), so nothing else dies with it, and this process
+        claims nothing more, on any queue, until it is heard to start (see
+        :meth:`~celery_emq.transport.lease.LeaseKeeper.hold_suspect`).
         """
+        if keeper().awaits_suspect():
+            return []
+        alone = keeper().held_count() == 0
+        if alone and batcher().queued():
+            # Acks of claims already forgotten may still wait for company: were
+            # a suspect handed out now to kill this process, they would die
+            # unsent and their tasks run again. They go first.
+            batcher().flush()
         claimed = self.store.claim(
             queue,
             self.owner,
             count,
             held=held,
             ttl_ms=self._queue_ttl.get(queue, 0),
-            alone=keeper().held_count() == 0,
+            alone=alone,
         )
         if not claimed:
             return []
@@ -483,6 +493,11 @@ class Channel(ChannelCompat, kombu_redis.Channel):
             [(c.id, c.token) for c in claimed],
             self.emq.renew_interval_ms,
         )
+        for job, tag in zip(claimed, tags, strict=True):
+            if job.suspect:
+                # The keeper renews its lease, so no lapse of it frees this
+                # process: one lease after its claim does.
+                keeper().hold_suspect(tag, self.emq.lease_ms / 1000)
         out = []
         try:
             for job, tag in zip(claimed, tags, strict=True):

@@ -147,6 +147,10 @@ class LeaseKeeper:
         # their task, though this worker had not heard of it (when): see
         # let_go_of_orphans.
         self._unseen: dict[str, float] = {}
+        # Claims handed out as suspects whose task has not been heard to start,
+        # each with the monotonic time it stops holding this process's claims
+        # back (see awaits_suspect).
+        self._suspects: dict[str, float] = {}
         self._interval_ms: int | None = None
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -189,7 +193,37 @@ class LeaseKeeper:
         with self._lock:
             self._lost.discard(tag)
             self._owed.discard(tag)
+            self._suspects.pop(tag, None)
             return self._held.pop(tag, None)
+
+    def hold_suspect(self, tag: str, for_s: float) -> None:
+        """Note a held claim handed out as a suspect: this process claims nothing more for now.
+
+        A suspect lapsed before its task ever started: it may be a message that
+        kills the process receiving it. Whatever this process claimed beside it
+        would die with it, so :meth:`awaits_suspect` holds every further claim
+        back until its task is heard to start (:meth:`started`), it is settled
+        or released, its lease is found lost, or ``for_s`` seconds passed (a
+        message that kills its receiver does so at once; one that waits, say
+        for its ETA or a rate limit, must not stop the consumer for long).
+        """
+        with self._lock:
+            if tag in self._held:
+                self._suspects[tag] = time.monotonic() + for_s
+
+    def started(self, tag: str) -> None:
+        """Note that a held claim's task started: a suspect no longer holds claims back."""
+        with self._lock:
+            self._suspects.pop(tag, None)
+
+    def awaits_suspect(self) -> bool:
+        """Whether a suspect this process holds has not started yet: claim nothing now."""
+        now = time.monotonic()
+        with self._lock:
+            for tag, until in list(self._suspects.items()):
+                if tag not in self._held or tag in self._lost or now >= until:
+                    del self._suspects[tag]
+            return bool(self._suspects)
 
     def owe_acks(self, claims: list[Claim]) -> None:
         """Hold finished claims whose ack failed; ack them again on every pass.

@@ -404,6 +404,7 @@ def _note_accepted(request: Any) -> None:
     claim = keeper().get(tag)
     if claim is not None:
         batcher().start(claim)
+        keeper().started(tag)
 
 
 def _install_start_recorder() -> None:
@@ -482,11 +483,13 @@ def _record_start(sender: Any = None, task: Any = None, **kwargs: Any) -> None:
     if claim is None:
         return
     job_id, token = claim
-    held = keeper().get(delivery_tag(job_id, token))
+    tag = delivery_tag(job_id, token)
+    held = keeper().get(tag)
     if held is None:
         # A prefork child (its worker records the start, see on_accepted), or
         # a claim already settled (a task acked before it runs).
         return
+    keeper().started(tag)
     try:
         batcher().start_now(held)
     except Exception:

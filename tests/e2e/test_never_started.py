@@ -9,6 +9,8 @@ innocents around it run once each.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -53,9 +55,25 @@ def test_a_message_that_kills_a_prefork_worker_before_it_starts_reaches_the_morg
     # A long task runs in one pool process when the doomed message arrives.
     long = capp.send_task("tests.e2e.app.sleepy", args=(3, "long"))
     wait_for(lambda: runs(client, prefix).get("long") == 1, 15)
-    before = [capp.send_task("tests.e2e.app.sleepy", args=(0, f"b{i}")) for i in range(2)]
-    doomed = capp.send_task("tests.e2e.app.sleepy", args=(0, DOOM), serializer="doomed")
-    after = [capp.send_task("tests.e2e.app.sleepy", args=(0, f"a{i}")) for i in range(3)]
+    # Its start is recorded (the worker sends it within settle_delay_ms): stopped
+    # before, the worker could die with the record unsent, and the long task's
+    # lapse would count as one before a start, not as the stall asserted below.
+    long_job = _job_id(store, long.id)
+    wait_for(lambda: store.job("celery", long_job).get("started"), 5)
+    # The worker's main process is stopped while the six are published, so that
+    # its next claim takes them in one batch: it hands the two before the doomed
+    # one to the pool and dies on the doomed one in the same turn of its event
+    # loop, before any of them reaches a pool process. Published while it runs,
+    # an innocent could be claimed on its own and run in the free pool process,
+    # and the doomed message, unknown yet, kill the worker before it heard the
+    # result: that innocent would run again, whatever the transport does.
+    os.kill(w.proc.pid, signal.SIGSTOP)
+    try:
+        before = [capp.send_task("tests.e2e.app.sleepy", args=(0, f"b{i}")) for i in range(2)]
+        doomed = capp.send_task("tests.e2e.app.sleepy", args=(0, DOOM), serializer="doomed")
+        after = [capp.send_task("tests.e2e.app.sleepy", args=(0, f"a{i}")) for i in range(3)]
+    finally:
+        os.kill(w.proc.pid, signal.SIGCONT)
 
     def settled() -> bool:
         counts = store.counts("celery")
@@ -122,6 +140,36 @@ def test_a_message_that_kills_a_prefork_worker_before_it_starts_reaches_the_morg
         "never_started",
     )
     assert job["decode_error"].startswith("application/x-emq-doomed, ")
+
+
+def test_a_worker_claims_nothing_beside_a_suspect_until_it_starts(
+    start_worker: Callable[..., Worker],
+    capp: Any,
+    client: redis.Redis,
+    prefix: str,
+) -> None:
+    store = JobStore(client, prefix + "emq", 4000)
+    w = start_worker("-P", "prefork", "-c", "2", name="gate", EMQ_E2E_LEASE_MS="4000")
+    os.kill(w.proc.pid, signal.SIGSTOP)
+    try:
+        # A suspect (it lapsed once before) that, once claimed, waits 0.8 s in the
+        # worker for its ETA: held, not started. Two innocents queue behind it.
+        suspect = capp.send_task("tests.e2e.app.sleepy", args=(0, "suspect"), countdown=0.8)
+        client.hset(store.keys("celery").job(_job_id(store, suspect.id)), "lapsed", 1)
+        others = [capp.send_task("tests.e2e.app.sleepy", args=(0, f"o{i}")) for i in range(2)]
+        published = time.time()
+    finally:
+        os.kill(w.proc.pid, signal.SIGCONT)
+    assert [r.get(timeout=15) for r in [suspect, *others]] == ["suspect", "o0", "o1"]
+    started = {
+        tag: float(client.lindex(prefix + "started:" + tag, 0) or 0)
+        for tag in ("suspect", "o0", "o1")
+    }
+    # Free pool processes and prefetch did not matter: nothing was claimed
+    # beside the suspect until it started, at its ETA.
+    assert started["suspect"] - published >= 0.6
+    assert min(started["o0"], started["o1"]) >= started["suspect"]
+    assert runs(client, prefix) == {"suspect": 1, "o0": 1, "o1": 1}
 
 
 def _job_id(store: JobStore, task_id: str) -> str:

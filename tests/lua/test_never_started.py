@@ -158,3 +158,15 @@ def test_a_job_retried_after_never_started_stays_a_suspect_and_dies_at_its_next_
     client.hset(store.keys("q").base + "swept", "at", now - 1)
     [swept] = store.sweep("q", max_stalled=1, now_ms=now, max_lapsed=1)
     assert (swept.id, swept.outcome) == ("p", "never_started")
+
+
+def test_the_claim_says_which_job_it_handed_out_as_a_suspect(store: JobStore) -> None:
+    enqueue(store, "q", ["a", "p", "c"])
+    suspect(store, "q", "p")
+
+    def claim(alone: bool) -> list[tuple[str, bool]]:
+        return [(c.id, c.suspect) for c in store.claim("q", "w1", count=10, now_ms=T0, alone=alone)]
+
+    assert claim(alone=True) == [("a", False)]
+    assert claim(alone=True) == [("p", True)]
+    assert claim(alone=False) == [("c", False)]

@@ -16,6 +16,7 @@ from celery_emq import EmqOptions, InvalidOptionError
 from celery_emq.store.batch import Batch
 from celery_emq.store.jobstore import JobStore
 from celery_emq.transport.lease import keeper, parse_tag
+from celery_emq.transport.settle import batcher
 from celery_emq.transport.sweeper import Sweeper
 from tests.conftest import CLUSTER, servers_of
 from tests.transport.conftest import ConnFactory
@@ -488,6 +489,121 @@ def test_a_job_whose_wake_marker_was_lost_is_still_claimed(
     got = drain(conn, q, 1, timeout=5)
     assert [b for b, _ in got] == ["stranded"]
     assert store.counts("q") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
+
+
+def consume_until(conn: Connection, got: list[Any], n: int, timeout: float) -> None:
+    """Drain ``conn`` until ``got`` holds ``n`` deliveries or ``timeout`` passed."""
+    deadline = time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        try:
+            conn.drain_events(timeout=0.2)
+        except TimeoutError:
+            pass
+
+
+@pytest.mark.parametrize("settle", ["ack", "requeue", "lease"])
+def test_a_suspect_not_yet_started_holds_back_every_other_claim_of_the_process(
+    connect: ConnFactory, store: JobStore, prefix: str, settle: str
+) -> None:
+    # A job that lapsed before its task started may kill the process receiving
+    # it: handed out alone, it stays alone until it settles (or starts), or for
+    # one lease at most.
+    conn, q, q2 = connect(lease_ms=2000), queue("q"), queue("q2")
+    publish(conn, q, ["suspect"])
+    [suspect_id] = [i.decode() for i in store.client.zrange(store.keys("q").pending, 0, -1)]
+    store.client.hset(store.keys("q").job(suspect_id), "lapsed", 1)
+    got: list[Any] = []
+    held: list[int] = []  # claims this process held as each delivery arrived
+    auto_ack: list[bool] = []
+
+    def on_message(body: Any, message: Any) -> None:
+        got.append((body, message))
+        held.append(keeper().held_count(prefix))
+        if auto_ack:
+            message.ack()
+
+    with Consumer(conn.channel(), [q, q2], callbacks=[on_message], accept=["json"]):
+        consume_until(conn, got, 1, 5)
+        assert [b for b, _ in got] == ["suspect"]
+        publish(conn, q, ["x"])
+        publish(conn, q2, ["y"])
+        consume_until(conn, got, 2, 1.0)
+        # Neither queue was claimed from while the suspect is held unstarted.
+        assert [b for b, _ in got] == ["suspect"]
+        assert store.counts("q")["pending"] == store.counts("q2")["pending"] == 1
+        began = time.monotonic()
+        auto_ack.append(True)
+        if settle == "ack":
+            got[0][1].ack()
+        elif settle == "requeue":
+            # Back in front, still a suspect: handed out again later, alone.
+            got[0][1].requeue()
+        want = 4 if settle == "requeue" else 3
+        consume_until(conn, got, want, 5)
+        waited_s = time.monotonic() - began
+        assert sorted(b for b, _ in got) == sorted(["suspect", "x", "y", "suspect"][:want])
+        # Each time the suspect arrived, it was the one claim this process held.
+        alone = [h for (b, _), h in zip(got, held, strict=True) if b == "suspect"]
+        assert alone == [1] * (want - 2)
+        if settle == "lease":
+            # Neither started nor settled: a lease after its claim, the process claims again.
+            assert 0.5 <= waited_s <= 2.5
+        else:
+            assert waited_s < 2.5
+        if not got[0][1].acknowledged:
+            got[0][1].ack()
+    assert (
+        store.counts("q")
+        == store.counts("q2")
+        == {
+            "pending": 0,
+            "active": 0,
+            "delayed": 0,
+            "dead": 0,
+        }
+    )
+    assert keeper().held_count(prefix) == 0
+
+
+def test_acks_waiting_to_be_sent_go_before_a_suspect_is_claimed(
+    connect: ConnFactory, store: JobStore, prefix: str
+) -> None:
+    # Inside a worker an ack waits a few ms for company (settle_delay_ms), its
+    # claim already forgotten. A suspect claimed meanwhile, were it to kill the
+    # process, would take the unsent ack with it: that task would run again.
+    conn, q = connect(), queue()
+    publish(conn, q, ["done"])
+    got: list[Any] = []
+    acked_before: list[int] = []  # jobs still active when the suspect arrived
+
+    def on_message(body: Any, message: Any) -> None:
+        got.append(body)
+        if body == "done":
+            message.ack()
+        else:
+            acked_before.append(store.counts("q")["active"])
+            message.ack()
+
+    b = batcher()
+    saved = (b.delay_ms, b.deferring)
+    try:
+        with Consumer(conn.channel(), [q], callbacks=[on_message], accept=["json"]):
+            b.delay_ms, b.deferring = 60_000, True  # as in a ready worker, but slow
+            consume_until(conn, got, 1, 5)
+            assert got == ["done"]
+            assert b.queued() == 1 and store.counts("q")["active"] == 1
+            publish(conn, q, ["suspect"])
+            [suspect_id] = [i.decode() for i in store.client.zrange(store.keys("q").pending, 0, -1)]
+            store.client.hset(store.keys("q").job(suspect_id), "lapsed", 1)
+            consume_until(conn, got, 2, 5)
+            assert got == ["done", "suspect"]
+            # Only the suspect was active: the ack had reached Redis before its claim.
+            assert acked_before == [1]
+    finally:
+        b.flush()
+        b.delay_ms, b.deferring = saved
+    assert store.counts("q") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
+    assert keeper().held_count(prefix) == 0
 
 
 #: What a message is published with: kombu must give every part of it back.

@@ -16,9 +16,10 @@
   ARGV[6] ttl_ms    > 0 for an x-expires queue: a claim is a use, so the queue lives on
   ARGV[7] nonce     a random value the caller made for this call (never reused)
   ARGV[8] alone     1 when the caller holds no claim at all (of any queue), else 0
-  Returns a flat array: id, message, stalled, deliveries, revoked, ... per claimed job
-  (the message as stored, see celery_emq/codec.py; revoked is 1 for a delayed job
-  promoted by a revoke, else 0).
+  Returns a flat array: id, message, stalled, deliveries, revoked, suspect, ... per
+  claimed job (the message as stored, see celery_emq/codec.py; revoked is 1 for a
+  delayed job promoted by a revoke, else 0; suspect is 1 for a job handed out alone
+  because it lapsed before its task started, else 0).
   Each claim's fencing token is its claim id, `<deliveries>.<nonce>`, kept in the
   row's `claim` field: every later settle names it. The delivery count alone can
   repeat when the server loses its last writes; the nonce cannot.
@@ -27,7 +28,8 @@
   A job whose lease lapsed before its task started (`lapsed` on its row) may be a
   message that kills its worker before the task starts: it is claimed alone, by
   a caller that holds nothing (alone), so no other claim dies with it. Otherwise
-  the batch stops before it, and it and those after it stay where they were.
+  the batch stops before it, and it and those after it stay where they were. The
+  caller claims nothing more while it holds a suspect that has not started.
 ]]
 local pending, active, wake, seq, head = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local lanes, cursor, expires, base = KEYS[6], KEYS[7], KEYS[8], KEYS[9]
@@ -122,13 +124,14 @@ for i, id in ipairs(ids) do
     out[#out + 1] = tonumber(row[2] or '0')
     out[#out + 1] = deliveries
     out[#out + 1] = row[4] and 1 or 0
+    out[#out + 1] = suspect and 1 or 0
   end
   if suspect then
     put_back(i + 1)
     break
   end
 end
-local claimed = #out / 5
+local claimed = #out / 6
 
 if redis.call('ZCARD', pending) == 0 and redis.call('EXISTS', lanes) == 0 then
   -- Nothing left to order: drop the markers, sequences and cursor, so a
