@@ -16,6 +16,7 @@ from typing import Any
 __all__ = [
     "BatchFlushError",
     "BrokerFullError",
+    "CeleryHookMissingError",
     "EmqError",
     "InvalidBrokerURLError",
     "InvalidOptionError",
@@ -62,6 +63,28 @@ class BrokerFullError(EmqError):
             f"Redis refused the publish to queue {queue!r}: it is out of memory "
             f"(maxmemory reached with maxmemory-policy noeviction); nothing was written. "
             f"Drain or purge queues, or raise maxmemory. Redis said: {detail}"
+        )
+
+
+class CeleryHookMissingError(EmqError, RuntimeError):
+    """The running Celery lacks an internal a guarantee of celery_emq rests on.
+
+    Raised as a worker starts (never in a producer): each missing hook is
+    named with what is wrong, the guarantee it serves, and the Celery, kombu
+    and billiard versions. The hooks are listed in docs/hooks.md.
+    """
+
+    def __init__(self, missing: Sequence[tuple[str, str, str]], versions: str) -> None:
+        #: (hook, what is wrong, the guarantee it serves) for each missing hook.
+        self.missing = tuple(missing)
+        self.versions = versions
+        lines = "; ".join(
+            f"{hook} ({problem}), which keeps this guarantee: {guarantee}"
+            for hook, problem, guarantee in self.missing
+        )
+        super().__init__(
+            f"celery_emq cannot run in this worker: {versions} lacks {lines}. "
+            f"celery_emq supports Celery 5.4 to 5.7 (see docs/hooks.md)"
         )
 
 
