@@ -12,13 +12,13 @@ from celery.signals import task_postrun, task_prerun, task_success
 from celery_emq.store.jobstore import JobStore
 from celery_emq.transport.lease import keeper
 from celery_emq.transport.settle import batcher
-from celery_emq.worker import state as worker_state
+from celery_emq.worker import starts
 
 
 @pytest.fixture
 def held(store: JobStore) -> Iterator[tuple[Any, str]]:
     """A task whose request names a claim this process holds, as under a solo worker."""
-    worker_state._install_start_recorder()
+    starts.install()
     app = Celery("early", set_as_current=False)
 
     @app.task(acks_late=True)

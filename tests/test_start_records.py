@@ -15,7 +15,8 @@ from celery_emq.store.jobstore import JobStore
 from celery_emq.transport.lease import keeper
 from celery_emq.transport.qos import refill_at
 from celery_emq.transport.settle import SettleBatcher, batcher
-from celery_emq.worker import state as worker_state
+from celery_emq.worker import marks, starts
+from celery_emq.worker import pool as worker_pool
 
 
 @pytest.fixture
@@ -38,8 +39,7 @@ def claimed(store: JobStore) -> Iterator[tuple[str, int]]:
     [tag] = keeper().hold(store, "q", [(claim.id, claim.token)], 10_000)
     yield tag, claim.token
     keeper().forget(tag)
-    with worker_state._submitted_lock:
-        worker_state._submitted.pop(tag, None)
+    marks.settled(tag)
 
 
 def accepted(tag: str) -> Any:
@@ -51,9 +51,8 @@ def test_a_job_a_prefork_child_accepted_is_recorded_started_by_the_worker(
     worker_batcher: SettleBatcher, claimed: tuple[str, int], store: JobStore
 ) -> None:
     tag, token = claimed
-    with worker_state._submitted_lock:
-        worker_state._submitted[tag] = object()  # the prefork pool's job for it
-    worker_state._note_accepted(accepted(tag))
+    marks.submit(tag, object())  # the prefork pool's job for it
+    starts.note_accepted(accepted(tag))
     # Queued with the worker's acks, not a round trip of its own.
     assert worker_batcher.queued() == 1
     assert "started" not in store.job("q", "a")
@@ -65,9 +64,8 @@ def test_a_job_of_another_pool_records_its_own_start(
     worker_batcher: SettleBatcher, claimed: tuple[str, int], store: JobStore
 ) -> None:
     tag, _ = claimed
-    with worker_state._submitted_lock:
-        worker_state._submitted[tag] = None  # solo, threads, gevent, eventlet
-    worker_state._note_accepted(accepted(tag))
+    marks.submit(tag)  # solo, threads, gevent, eventlet
+    starts.note_accepted(accepted(tag))
     assert worker_batcher.queued() == 0
 
 
@@ -76,10 +74,9 @@ def test_a_suspect_a_prefork_child_accepted_no_longer_holds_claims_back(
 ) -> None:
     tag, _ = claimed
     keeper().hold_suspect(tag, 60)
-    with worker_state._submitted_lock:
-        worker_state._submitted[tag] = object()
+    marks.submit(tag, object())
     assert keeper().awaits_suspect()
-    worker_state._note_accepted(accepted(tag))
+    starts.note_accepted(accepted(tag))
     assert not keeper().awaits_suspect()
 
 
@@ -89,7 +86,7 @@ def test_a_suspect_whose_task_starts_in_this_process_no_longer_holds_claims_back
     # Solo, threads, gevent, eventlet: the task starts where its claim is held.
     tag, token = claimed
     keeper().hold_suspect(tag, 60)
-    worker_state._install_start_recorder()
+    starts.install()
     app = Celery("solo", set_as_current=False)
 
     @app.task
@@ -110,7 +107,7 @@ def test_a_prefork_child_sends_nothing_when_its_task_starts(
 ) -> None:
     # The child's keeper holds no claim (its worker does): it leaves the record
     # to the worker, and makes no round trip before the task's body.
-    worker_state._install_start_recorder()
+    starts.install()
     store.enqueue("q", "a", b"{}")
     [claim] = store.claim("q", "w")
     app = Celery("child", set_as_current=False)
@@ -140,7 +137,7 @@ def ready_pool(monkeypatch: pytest.MonkeyPatch) -> Any:
 
     pool = TaskPool.__new__(TaskPool)
     pool.limit = 2
-    monkeypatch.setattr(worker_state, "_pool", pool)
+    monkeypatch.setattr(worker_pool, "_pool", pool)
     state = SimpleNamespace(reserved_requests=set())
     monkeypatch.setitem(sys.modules, "celery.worker.state", state)
     return state
@@ -172,7 +169,7 @@ def test_can_consume_claims_at_once_when_a_pool_process_may_idle(ready_pool: Any
 
 
 def test_without_a_ready_worker_a_free_slot_is_enough(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(worker_state, "_pool", None)
+    monkeypatch.setattr(worker_pool, "_pool", None)
     assert qos_holding(7).can_consume()
     assert qos_holding(0, prefetch=0).can_consume()
 
@@ -186,6 +183,6 @@ def test_a_threads_worker_claims_whenever_a_slot_is_free(
 
     pool = TaskPool.__new__(TaskPool)
     pool.limit = 2
-    monkeypatch.setattr(worker_state, "_pool", pool)
+    monkeypatch.setattr(worker_pool, "_pool", pool)
     ready_pool.reserved_requests = {f"r{i}" for i in range(7)}
     assert qos_holding(7).can_consume()

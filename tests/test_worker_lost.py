@@ -10,7 +10,8 @@ from billiard.exceptions import WorkerLostError
 from celery import Celery
 from celery.worker.request import Request
 
-from celery_emq.worker import state as worker_state
+from celery_emq.transport.process import WORKER_LOST
+from celery_emq.worker import lost, marks
 
 
 class _ExcInfo:
@@ -70,7 +71,7 @@ class _Watched:
 def probed(monkeypatch: pytest.MonkeyPatch) -> Any:
     """``Request.on_failure`` with the probe installed, restored afterwards."""
     monkeypatch.setattr(Request, "on_failure", Request.on_failure)
-    worker_state._install_worker_lost_probe()
+    lost.install()
     return Request.on_failure
 
 
@@ -87,8 +88,8 @@ def test_lost_process_is_requeued_marked_and_the_task_is_untouched(probed: Any) 
     assert request.acked == 0
     assert writes == []
     assert "reject_on_worker_lost" not in vars(job)
-    mark = worker_state.pop_mark("j1#1")
-    assert mark is not None and mark.reason == worker_state.WORKER_LOST
+    mark = marks.pop_mark("j1#1")
+    assert mark is not None and mark.reason == WORKER_LOST
 
 
 def test_concurrent_losses_under_threads_leave_no_trace_on_the_task(probed: Any) -> None:
@@ -114,7 +115,7 @@ def test_concurrent_losses_under_threads_leave_no_trace_on_the_task(probed: Any)
     assert [r.rejected for r in requests] == [[True]] * len(requests)
     assert writes == []
     assert job.reject_on_worker_lost is None or job.reject_on_worker_lost is False
-    assert all(worker_state.pop_mark(f"t{i}#1") is not None for i in range(len(requests)))
+    assert all(marks.pop_mark(f"t{i}#1") is not None for i in range(len(requests)))
 
 
 def test_retry_on_worker_lost_leaves_the_delivery_to_celery(
@@ -126,13 +127,13 @@ def test_retry_on_worker_lost_leaves_the_delivery_to_celery(
     def job() -> None: ...
 
     handed: list[str] = []
-    original = worker_state._mark
+    original = marks.mark
 
     def no_mark(message: Any, reason: str, error: str = "") -> None:
         handed.append(reason)
         original(message, reason, error)
 
-    monkeypatch.setattr(worker_state, "_mark", no_mark)
+    monkeypatch.setattr(marks, "mark", no_mark)
     request = _Request(job, "r1#1")
     # Celery's own on_failure runs (it would publish the retry): stop it at its
     # first step, which shows the probe handed the request on unmarked.
@@ -143,7 +144,7 @@ def test_retry_on_worker_lost_leaves_the_delivery_to_celery(
     with pytest.raises(RuntimeError, match="celery's own handling"):
         probed(request, _ExcInfo(WorkerLostError("gone")))
     assert handed == []
-    assert worker_state.pop_mark("r1#1") is None
+    assert marks.pop_mark("r1#1") is None
 
 
 def test_a_task_cancelled_on_connection_loss_goes_back_at_once(probed: Any, store: Any) -> None:

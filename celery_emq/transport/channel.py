@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import sys
 import time
 import uuid
 from datetime import datetime
@@ -35,7 +34,7 @@ from celery_emq.transport.batch import BATCH_ARGUMENT, PublishBatch, is_broker_f
 from celery_emq.transport.compat import ChannelCompat
 from celery_emq.transport.errors import BrokerFullError, ReplicasUnconfirmedError
 from celery_emq.transport.lease import keeper
-from celery_emq.transport.process import transport_started
+from celery_emq.transport.process import host, transport_started
 from celery_emq.transport.qos import QoS
 from celery_emq.transport.settle import batcher
 from celery_emq.transport.sweeper import Sweeper, sweep_thread
@@ -681,9 +680,8 @@ def _remember_revoked(task_id: Any) -> None:
     Celery keeps revokes in memory (3 hours by default): a worker that started
     later, or forgot, learns it here, before the message reaches Celery.
     """
-    state = sys.modules.get("celery.worker.state")
-    if state is not None and isinstance(task_id, str):
-        state.revoked.add(task_id)
+    if isinstance(task_id, str):
+        host().revoked(task_id)
 
 
 def _queue_ttl_ms(kwargs: dict[str, Any]) -> int:

@@ -16,6 +16,8 @@ import logging
 from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
+from celery_emq.errors import EmqError
+
 __all__ = [
     "WORKER_LOST",
     "Host",
@@ -58,6 +60,9 @@ class Host(Protocol):
     def settled(self, tag: str) -> None:
         """``tag`` was acked or rejected: forget what was noted of it."""
 
+    def revoked(self, task_id: str) -> None:
+        """``task_id`` was revoked while it waited in the delayed set: discard it when it comes."""
+
 
 class NoHost:
     """A plain kombu consumer: nothing started behind the transport's back, no marks."""
@@ -75,6 +80,9 @@ class NoHost:
         return None
 
     def settled(self, tag: str) -> None:
+        pass
+
+    def revoked(self, task_id: str) -> None:
         pass
 
 
@@ -102,9 +110,15 @@ def on_transport_start(callback: Callable[[], None]) -> None:
 
 
 def transport_started() -> None:
-    """A transport or channel starts: tell those who asked (a failing callback is logged)."""
+    """A transport or channel starts: tell those who asked.
+
+    A callback that fails is logged, unless it raises one of celery_emq's own
+    errors (the worker's hooks missing here): that stops the start.
+    """
     for callback in list(_on_start):
         try:
             callback()
+        except EmqError:
+            raise
         except Exception:
             logger.exception("celery_emq: %r failed as a transport started", callback)
