@@ -34,6 +34,8 @@ PAIRS = [
 ]
 
 TESTS = [
+    "tests/test_hooks.py",
+    "tests/e2e/test_hooks.py",
     "tests/transport/test_contract.py",
     "tests/transport/test_bounded_calls.py",
     "tests/e2e/test_recovery.py",
