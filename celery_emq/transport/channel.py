@@ -38,7 +38,8 @@ from celery_emq.transport.lease import keeper
 from celery_emq.transport.process import transport_started
 from celery_emq.transport.qos import QoS
 from celery_emq.transport.settle import batcher
-from celery_emq.transport.sweeper import Sweeper, sweep_thread
+from celery_emq.transport.sweep_thread import sweep_thread
+from celery_emq.transport.sweeper import Sweeper
 
 __all__ = ["Channel"]
 
