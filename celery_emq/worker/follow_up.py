@@ -11,11 +11,11 @@ result is already stored (its ack was lost) is no failure.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
 from celery import current_app, states
-from celery.backends.rpc import RPCBackend
 from celery.utils.dispatch import Signal
 
 from celery_emq.errors import StalledJobError
@@ -73,7 +73,7 @@ class CeleryFollowUp:
             return False
         try:
             backend = self.app.backend
-            if _is_disabled(backend) or isinstance(backend, RPCBackend):
+            if _is_disabled(backend) or _is_rpc(backend):
                 # An RPC result travels to its caller's reply queue: none to read here.
                 return False
             return bool(backend.get_task_meta(info.task_id).get("status") == states.SUCCESS)
@@ -154,3 +154,10 @@ def _send(signal: Signal, info: JobInfo) -> None:
 
 def _is_disabled(backend: Any) -> bool:
     return type(backend).__name__ == "DisabledBackend"
+
+
+def _is_rpc(backend: Any) -> bool:
+    # An RPC backend's module is loaded once there is one: importing it only
+    # to ask would weigh on every import of the package.
+    rpc = sys.modules.get("celery.backends.rpc")
+    return rpc is not None and isinstance(backend, rpc.RPCBackend)

@@ -19,8 +19,12 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from celery import current_app
+
+from celery_emq.store.scripts import UNSET
 from celery_emq.transport import process
 from celery_emq.transport.lease import delivery_tag, keeper, parse_tag
+from celery_emq.transport.messages import BUDGET_OPTION
 from celery_emq.transport.process import WORKER_LOST, Mark
 from celery_emq.transport.settle import batcher
 
@@ -571,6 +575,20 @@ class CeleryHost:
 
     def settled(self, tag: str) -> None:
         settled(tag)
+
+    def task_budget(self, task_name: str) -> object:
+        try:
+            task = current_app.tasks.get(task_name)
+        except Exception:
+            return UNSET
+        return getattr(task, BUDGET_OPTION, UNSET) if task is not None else UNSET
+
+    def revoked(self, task_id: str) -> None:
+        # Celery keeps revokes in memory (3 hours by default): a worker that
+        # started later, or forgot, learns it here, before the message reaches Celery.
+        state = sys.modules.get("celery.worker.state")
+        if state is not None:
+            state.revoked.add(task_id)
 
 
 def attach() -> None:
