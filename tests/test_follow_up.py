@@ -10,7 +10,8 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_emq import EmqOptions
+from celery_emq import EmqOptions, StalledJobError
+from celery_emq.ops.tasks import SWEEP_TASK
 from celery_emq.signals import job_dead_lettered, job_recovered, job_stalled
 from celery_emq.store.jobstore import JobStore
 from celery_emq.store.scripts import Outcome
@@ -42,6 +43,30 @@ def signalled() -> Iterator[list[str]]:
     yield got
     for signal, handler in handlers.items():
         signal.disconnect(handler)
+
+
+@pytest.fixture
+def events(app: Celery, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, Any]]:
+    """The events the app sends: (the node sending, the type, the task id)."""
+    sent: list[tuple[str, str, Any]] = []
+
+    class Dispatcher:
+        def __init__(self, hostname: str) -> None:
+            self.hostname = hostname
+
+        def __enter__(self) -> Dispatcher:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+        def send(self, kind: str, **fields: Any) -> None:
+            sent.append((self.hostname, kind, fields.get("uuid")))
+
+    monkeypatch.setattr(
+        type(app.events), "default_dispatcher", lambda _e, hostname, **kw: Dispatcher(hostname)
+    )
+    return sent
 
 
 def lapse(app: Celery, store: JobStore, now_ms: int) -> tuple[Any, str]:
@@ -167,31 +192,35 @@ def test_a_failing_follow_up_never_breaks_the_sweep(
 
 
 def test_the_ops_sweep_records_the_failure_from_the_node_it_is_given(
-    app: Celery, client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+    app: Celery, client: redis.Redis, prefix: str, events: list[tuple[str, str, Any]]
 ) -> None:
-    sent: list[tuple[str, dict[str, Any]]] = []
-
-    class Dispatcher:
-        def __init__(self, hostname: str) -> None:
-            self.hostname = hostname
-
-        def __enter__(self) -> Dispatcher:
-            return self
-
-        def __exit__(self, *exc: object) -> None:
-            return None
-
-        def send(self, kind: str, **fields: Any) -> None:
-            sent.append((self.hostname, {"type": kind, **fields}))
-
-    monkeypatch.setattr(
-        type(app.events), "default_dispatcher", lambda _e, hostname, **kw: Dispatcher(hostname)
-    )
     store = JobStore(client, prefix + "emq", 5000)
     result, job_id = lapse(app, store, 1000)
     sweeper = Sweeper(store, EmqOptions(max_stalled=0), CeleryFollowUp(app, node="beat@h"))
     assert sweeper.sweep("celery", now_ms=7000).dead == [job_id]
-    assert [(node, e["type"], e["uuid"]) for node, e in sent] == [
-        ("beat@h", "task-failed", result.id)
-    ]
+    assert events == [("beat@h", "task-failed", result.id)]
     assert result.state == "FAILURE"
+
+
+def test_the_beat_task_sends_the_signal_stores_the_failure_and_the_event(
+    app: Celery,
+    client: redis.Redis,
+    prefix: str,
+    signalled: list[str],
+    events: list[tuple[str, str, Any]],
+) -> None:
+    app.conf.broker_transport_options = {**app.conf.broker_transport_options, "max_stalled": 0}
+    store = JobStore(client, prefix + "emq", 5000)
+    seconds, micros = client.time()
+    now_ms = seconds * 1000 + micros // 1000
+    # Claimed and started long ago; sweeps have run until now (no outage).
+    result, job_id = lapse(app, store, now_ms - 60_000)
+    sweeps_ran_until(store, "celery", now_ms)
+    reports = app.tasks[SWEEP_TASK].apply(kwargs={"queues": ["celery"]}).get()
+    assert reports["celery"]["dead"] == [job_id]
+    assert signalled == [f"stalled {job_id}", f"dead {job_id}"]
+    with pytest.raises(StalledJobError, match=f"job {job_id}"):
+        result.get(timeout=5)
+    [(node, kind, task_id)] = events
+    assert (kind, task_id) == ("task-failed", result.id)
+    assert node  # the worker running the task (here: the eager request's host)

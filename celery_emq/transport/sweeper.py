@@ -154,9 +154,10 @@ class Sweeper:
         """Dead-letter one job that cannot or will not run; return whether it moved.
 
         Fenced by the claim's ``token``: a newer claim of the job is left alone.
-        Sends ``job_dead_lettered`` with the reason (the next sweep applies the
-        morgue's retention). (Celery itself records the task's failure in these
-        cases.)
+        Hands the job to the follow-up's ``dead_lettered`` (inside Celery, the
+        ``job_dead_lettered`` signal, with the reason); the next sweep applies
+        the morgue's retention. No failure is recorded: the worker that refused
+        or could not run the task does that.
         """
         outcome = self.store.bury(queue, job_id, token, reason, error)
         if outcome is not Outcome.OK:
