@@ -18,7 +18,7 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
 from celery_emq.store.codec import unpack
-from celery_emq.store.scripts import UNSET, Claimed
+from celery_emq.store.outcomes import UNSET, Claimed
 from celery_emq.transport.lease import keeper
 from celery_emq.transport.messages import (
     BUDGET_OPTION,

@@ -18,7 +18,7 @@ from typing import Any
 from kombu.serialization import TRUSTED_CONTENT
 from kombu.utils import json as kombu_json
 
-from celery_emq.store.scripts import UNSET, Claimed, NewJob, Unset
+from celery_emq.store.outcomes import UNSET, Claimed, NewJob, Unset
 
 __all__ = [
     "BUDGET_OPTION",

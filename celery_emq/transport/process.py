@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
-from celery_emq.store.scripts import UNSET
+from celery_emq.store.outcomes import UNSET
 
 __all__ = [
     "WORKER_LOST",

@@ -14,7 +14,7 @@ from typing import Any
 import redis
 
 from celery_emq import errors
-from celery_emq.store.scripts import NewJob, Outcome
+from celery_emq.store.outcomes import NewJob, Outcome
 from celery_emq.transport.batch import BATCH_ARGUMENT, PublishBatch, is_broker_full
 from celery_emq.transport.errors import BrokerFullError, ReplicasUnconfirmedError
 from celery_emq.transport.messages import new_job

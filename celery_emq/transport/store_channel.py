@@ -20,8 +20,8 @@ from kombu.transport import redis as kombu_redis
 
 from celery_emq.options import EmqOptions
 from celery_emq.store.jobstore import JobStore
+from celery_emq.store.outcomes import Unset
 from celery_emq.store.retries import connection_retry
-from celery_emq.store.scripts import Unset
 from celery_emq.store.server import check_server
 from celery_emq.transport.compat import ChannelCompat
 from celery_emq.transport.lease import keeper

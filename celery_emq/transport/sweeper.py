@@ -20,7 +20,7 @@ from typing import Any
 
 from celery_emq.options import EmqOptions
 from celery_emq.store.jobstore import PROMOTE_BATCH, JobStore
-from celery_emq.store.scripts import Outcome, Swept
+from celery_emq.store.outcomes import Outcome, Swept
 from celery_emq.transport import lease
 from celery_emq.transport.follow_up import FollowUp
 from celery_emq.transport.follow_up import follow_up as registered_follow_up

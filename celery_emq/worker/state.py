@@ -21,7 +21,7 @@ from typing import Any
 
 from celery import current_app
 
-from celery_emq.store.scripts import UNSET
+from celery_emq.store.outcomes import UNSET
 from celery_emq.transport import process
 from celery_emq.transport.lease import delivery_tag, keeper, parse_tag
 from celery_emq.transport.messages import BUDGET_OPTION

@@ -16,7 +16,7 @@ from kombu import Exchange, Producer, Queue
 
 import celery_emq  # noqa: F401  (registers emq://)
 from celery_emq.store.jobstore import JobStore
-from celery_emq.store.scripts import UNSET
+from celery_emq.store.outcomes import UNSET
 from celery_emq.transport import process
 from celery_emq.transport.lease import parse_tag
 from celery_emq.transport.process import NoHost
