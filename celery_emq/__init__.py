@@ -85,9 +85,11 @@ for _scheme in (
 # there, only there), and Flower of the schemes, as a transport starts.
 from celery_emq.ops.flower import register_if_loaded as _register_with_flower  # noqa: E402
 from celery_emq.transport.process import on_transport_start as _on_transport_start  # noqa: E402
+from celery_emq.worker.follow_up import register as _register_follow_up  # noqa: E402
 from celery_emq.worker.state import attach as _attach_worker  # noqa: E402
 
 _install_moved()
 _attach_worker()
+_register_follow_up()
 _on_transport_start(_register_with_flower)
 _register_with_flower()

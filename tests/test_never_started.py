@@ -19,6 +19,7 @@ from celery_emq.store.jobstore import JobStore
 from celery_emq.transport.jobs import JobInfo, describe
 from celery_emq.transport.sweeper import Sweeper
 from celery_emq.worker import state as worker_state
+from celery_emq.worker.follow_up import CeleryFollowUp
 from tests.conftest import sweeps_ran_until
 
 CONTENT_TYPE = "application/x-emq-tripwire"
@@ -88,7 +89,7 @@ def test_past_max_lapsed_a_job_is_dead_lettered_as_never_started_and_never_decod
     monkeypatch.setattr(worker_state, "_nodename", None)
     app.conf.accept_content = ["json", "tripwire"]
     store = JobStore(client, prefix + "emq", 5000)
-    sweeper = Sweeper(store, EmqOptions(max_stalled=1, max_lapsed=2), app=app)
+    sweeper = Sweeper(store, EmqOptions(max_stalled=1, max_lapsed=2), CeleryFollowUp(app))
     result = app.send_task("proj.doomed", args=("x" * 100,), serializer="tripwire")
     outcomes = []
     now = 1000

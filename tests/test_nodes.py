@@ -24,7 +24,9 @@ from celery_emq.store.nodes import Lanes
 from celery_emq.transport import lease, settle
 from celery_emq.transport.lease import Claim, delivery_tag
 from celery_emq.transport.settle import SEND_BOUND_S, SettleBatcher
-from celery_emq.transport.sweeper import Sweeper, SweepThread
+from celery_emq.transport.sweep_thread import SweepThread
+from celery_emq.transport.sweeper import Sweeper
+from celery_emq.worker.follow_up import CeleryFollowUp
 from tests.conftest import ManualKeeper
 from tests.faults.servers import StallingProxy
 
@@ -173,8 +175,8 @@ def test_a_hung_node_delays_no_other_nodes_sweep_nor_the_expiry_pass(
     interval_s = 2.5
     options = EmqOptions(sweep_interval_s=interval_s, max_stalled=5)
     sweeps = SweepThread()
-    sweeps.watch(Sweeper(sick, options, app=app), "celery")
-    sweeps.watch(Sweeper(healthy, options, app=app), "celery")
+    sweeps.watch(Sweeper(sick, options, CeleryFollowUp(app)), "celery")
+    sweeps.watch(Sweeper(healthy, options, CeleryFollowUp(app)), "celery")
     began = time.monotonic()
     [report] = sweeps.run_once(now_ms=10_000)
     took_s = time.monotonic() - began

@@ -18,8 +18,8 @@ import celery_emq  # noqa: F401  (registers emq://)
 from celery_emq.errors import InvalidOptionError, ReplicasUnconfirmedError
 from celery_emq.options import EmqOptions
 from celery_emq.store.jobstore import JobStore
-from celery_emq.transport.channel import JOB_ID_PROPERTY
 from celery_emq.transport.lease import keeper, parse_tag
+from celery_emq.transport.messages import JOB_ID_PROPERTY
 from celery_emq.transport.settle import batcher
 
 from .topology.sentinel_servers import SentinelTopology

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import pytest
@@ -17,8 +18,10 @@ from celery_emq.store.outcomes import Outcome
 from celery_emq.transport import lease
 from celery_emq.transport.jobs import JobInfo
 from celery_emq.transport.lease import delivery_tag
-from celery_emq.transport.sweeper import Sweeper, SweepThread
+from celery_emq.transport.sweep_thread import SweepThread
+from celery_emq.transport.sweeper import Sweeper
 from celery_emq.worker import state as worker_state
+from celery_emq.worker.follow_up import CeleryFollowUp
 from tests.conftest import ManualKeeper, sweeps_ran_until, token_of
 
 
@@ -62,7 +65,7 @@ def test_dead_letter_fires_signals_stores_failure_and_sends_event(
     app: Celery, client: redis.Redis, prefix: str, captured: dict[str, list[JobInfo]]
 ) -> None:
     store = JobStore(client, prefix + "emq", 5000)
-    sweeper = Sweeper(store, EmqOptions(max_stalled=1), app=app)
+    sweeper = Sweeper(store, EmqOptions(max_stalled=1), CeleryFollowUp(app))
     result, job_id = lapse_one(app, store, 1000)
     assert sweeper.sweep("celery", now_ms=7000).recovered == [job_id]
     # The last holder is a started worker: its lease owner carries its node name.
@@ -115,14 +118,19 @@ def test_failure_node_is_the_sweeping_worker_or_the_last_holder_or_none(
     store = JobStore(client, prefix + "emq", 5000)
     info = JobInfo(id="j", queue="celery")
     k = store.keys("celery")
-    assert Sweeper(store, EmqOptions(), app=app, node="beat@h")._failure_node(info) == "beat@h"
-    sweeper = Sweeper(store, EmqOptions(), app=app)
-    assert sweeper._failure_node(info) is None  # nothing known: no event at all
+    follow_up = CeleryFollowUp(app)
+    sweeper = Sweeper(store, EmqOptions(), follow_up)
+
+    def node() -> str | None:
+        return follow_up.failure_node(partial(sweeper.last_holder, info))
+
+    assert CeleryFollowUp(app, node="beat@h").failure_node(lambda: "w9@h") == "beat@h"
+    assert node() is None  # nothing known: no event at all
     history = [{"owner": "w1@h:1:a"}, {"owner": "h:2:b"}, {"owner": "w3@h:3:c"}]
     client.hset(k.job("j"), "history", json.dumps(history))
-    assert sweeper._failure_node(info) == "w3@h"
+    assert node() == "w3@h"
     client.hset(k.job("j"), "history", json.dumps(history[:2]))
-    assert sweeper._failure_node(info) == "w1@h"  # a holder that was no worker is skipped
+    assert node() == "w1@h"  # a holder that was no worker is skipped
 
 
 def test_a_raising_handler_never_breaks_the_sweep(
@@ -134,7 +142,7 @@ def test_a_raising_handler_never_breaks_the_sweep(
     job_dead_lettered.connect(boom)
     try:
         store = JobStore(client, prefix + "emq", 5000)
-        sweeper = Sweeper(store, EmqOptions(max_stalled=0), app=app)
+        sweeper = Sweeper(store, EmqOptions(max_stalled=0), CeleryFollowUp(app))
         _, a = lapse_one(app, store, 1000)
         second, b = lapse_one(app, store, 1000)
         report = sweeper.sweep("celery", now_ms=7000)
@@ -148,7 +156,7 @@ def test_a_raising_handler_never_breaks_the_sweep(
 
 def test_retention_applies_as_jobs_die(app: Celery, client: redis.Redis, prefix: str) -> None:
     store = JobStore(client, prefix + "emq", 5000)
-    sweeper = Sweeper(store, EmqOptions(max_stalled=0, dead_max_size=3), app=app)
+    sweeper = Sweeper(store, EmqOptions(max_stalled=0, dead_max_size=3), CeleryFollowUp(app))
     for _ in range(5):
         lapse_one(app, store, 1000)
     report = sweeper.sweep("celery", now_ms=7000)
@@ -160,7 +168,7 @@ def test_a_dead_job_leaves_by_the_next_sweep_when_no_other_job_dies(
     app: Celery, client: redis.Redis, prefix: str
 ) -> None:
     store = JobStore(client, prefix + "emq", 5000)
-    sweeper = Sweeper(store, EmqOptions(max_stalled=0, dead_max_age_s=60), app=app)
+    sweeper = Sweeper(store, EmqOptions(max_stalled=0, dead_max_age_s=60), CeleryFollowUp(app))
     lapse_one(app, store, 1000)
     assert len(sweeper.sweep("celery", now_ms=7000).dead) == 1
     # Sweeps keep running while no job dies: the one past its age goes.
@@ -174,7 +182,7 @@ def test_a_lapse_before_the_task_started_sends_no_signal_and_records_no_failure(
     app: Celery, client: redis.Redis, prefix: str, captured: dict[str, list[JobInfo]]
 ) -> None:
     store = JobStore(client, prefix + "emq", 5000)
-    sweeper = Sweeper(store, EmqOptions(max_stalled=0), app=app)
+    sweeper = Sweeper(store, EmqOptions(max_stalled=0), CeleryFollowUp(app))
     result, job_id = lapse_one(app, store, 1000, started=False)
     report = sweeper.sweep("celery", now_ms=7000)
     assert (report.requeued, report.recovered, report.dead) == ([job_id], [], [])
@@ -210,7 +218,7 @@ def test_a_sweep_renews_its_own_processs_claims_before_it_counts_stalls(
     token = token_of(store, "celery", mine)
     keeper.hold(store, "celery", [(mine, token)], interval_ms=1000)
     sweeps = SweepThread()
-    sweeps.watch(Sweeper(store, EmqOptions(sweep_interval_s=3600), app=app), "celery")
+    sweeps.watch(Sweeper(store, EmqOptions(sweep_interval_s=3600), CeleryFollowUp(app)), "celery")
     later = 1000 + 3 * store.lease_ms
     [report] = sweeps.run_once(now_ms=later)
     assert (report.recovered, report.dead, report.requeued) == ([theirs], [], [])
@@ -240,7 +248,7 @@ def test_a_sweep_skips_its_pass_when_its_own_claims_cannot_be_renewed(
     monkeypatch.setattr(lease, "_keeper", keeper)
     keeper.hold(store, "celery", [(mine, token_of(store, "celery", mine))], interval_ms=1000)
     sweeps = SweepThread()
-    sweeps.watch(Sweeper(store, EmqOptions(sweep_interval_s=3600), app=app), "celery")
+    sweeps.watch(Sweeper(store, EmqOptions(sweep_interval_s=3600), CeleryFollowUp(app)), "celery")
     assert sweeps.run_once(now_ms=1000 + 3 * store.lease_ms) == []
     assert captured["stalled"] == []
     assert store.job("celery", mine)["stalled"] == "0"
@@ -255,7 +263,7 @@ def test_a_dead_letter_of_a_task_that_succeeded_keeps_its_success_and_sends_no_f
     # from a snapshot, a failover): the job is back as a started claim that
     # lapses, and a job that stalled before is dead-lettered by the sweep.
     store = JobStore(client, prefix + "emq", 5000)
-    sweeper = Sweeper(store, EmqOptions(max_stalled=0), app=app)
+    sweeper = Sweeper(store, EmqOptions(max_stalled=0), CeleryFollowUp(app))
     done, done_id = lapse_one(app, store, 1000)
     failed, failed_id = lapse_one(app, store, 1000)
     app.backend.mark_as_done(done.id, 42)
@@ -271,9 +279,7 @@ def test_a_dead_letter_of_a_task_that_succeeded_keeps_its_success_and_sends_no_f
     assert store.job("celery", done_id) == {}
 
 
-def test_an_rpc_result_is_not_read_back(
-    client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_an_rpc_result_is_not_read_back(monkeypatch: pytest.MonkeyPatch) -> None:
     # An RPC result is a message to the caller's reply queue: the sweep cannot
     # read it, and must not consume the sweeping process's own replies trying.
     rpc = Celery("rpc", broker="memory://", backend="rpc://", set_as_current=False)
@@ -281,6 +287,5 @@ def test_an_rpc_result_is_not_read_back(
     monkeypatch.setattr(
         type(rpc.backend), "get_task_meta", lambda _b, task_id, **kw: read.append(task_id)
     )
-    sweeper = Sweeper(JobStore(client, prefix + "emq", 5000), EmqOptions(), app=rpc)
-    assert sweeper._succeeded(JobInfo(id="j", queue="celery", task_id="t")) is False
+    assert CeleryFollowUp(rpc).succeeded(JobInfo(id="j", queue="celery", task_id="t")) is False
     assert read == []

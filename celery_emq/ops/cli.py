@@ -32,6 +32,7 @@ from celery_emq.ops.format import age as _age
 from celery_emq.store.server import check_server
 from celery_emq.store.status import queue_statuses
 from celery_emq.transport.sweeper import Sweeper
+from celery_emq.worker.follow_up import CeleryFollowUp
 
 __all__ = ["emq"]
 
@@ -101,7 +102,9 @@ def status(ctx: click.Context, as_json: bool) -> None:
 
 def _pass(ctx: click.Context, queues: Sequence[str], as_json: bool, reap: bool) -> None:
     with opened(ctx) as (store, options, app):
-        reports = [r.as_dict() for r in Sweeper(store, options, app=app).run(queues, reap)]
+        reports = [
+            r.as_dict() for r in Sweeper(store, options, CeleryFollowUp(app)).run(queues, reap)
+        ]
 
     kinds = ("reaped",) if reap else ("recovered", "dead")
 

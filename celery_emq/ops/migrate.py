@@ -46,15 +46,9 @@ from celery_emq.errors import EmqError
 from celery_emq.store.jobstore import JobStore
 from celery_emq.store.outcomes import UNSET, NewJob, Outcome
 from celery_emq.store.take_in import MIGRATED_TTL_MS, take_in
-from celery_emq.transport.channel import (
-    _KEYED,
-    BUDGET_OPTION,
-    GROUP_HEADER,
-    JOB_ID_PROPERTY,
-    Channel,
-    _budget,
-    _eta_ms,
-)
+from celery_emq.transport import messages
+from celery_emq.transport.channel import Channel
+from celery_emq.transport.messages import BUDGET_OPTION, GROUP_HEADER, JOB_ID_PROPERTY
 
 __all__ = ["MIGRATED_TTL_MS", "Migration", "QueueCount"]
 
@@ -350,12 +344,15 @@ class Migration:
             message["headers"] = headers
             if isinstance(props.get("delivery_info"), dict):
                 props["delivery_info"]["redelivered"] = True
-        budget = _budget(headers[BUDGET_OPTION]) if BUDGET_OPTION in headers else UNSET
+        budget = messages.budget(headers[BUDGET_OPTION]) if BUDGET_OPTION in headers else UNSET
         group = headers.get(GROUP_HEADER) or ""
         task = "task" in headers
-        eta_ms = _eta_ms(headers.get("eta")) if task else None
+        eta_ms = messages.eta_ms(headers.get("eta")) if task else None
         task_id = headers.get("id") if eta_ms is not None else None
-        stored = {**message, "properties": {k: v for k, v in props.items() if k not in _KEYED}}
+        stored = {
+            **message,
+            "properties": {k: v for k, v in props.items() if k not in messages.KEYED},
+        }
         return {
             "tag": tag,
             "id": job_id,

@@ -19,6 +19,7 @@ from celery import shared_task
 
 from celery_emq.ops.appstore import open_store
 from celery_emq.transport.sweeper import Sweeper
+from celery_emq.worker.follow_up import CeleryFollowUp
 
 __all__ = ["SWEEP_TASK", "open_store", "schedule_sweep", "sweep"]
 
@@ -33,7 +34,7 @@ def sweep(self: Any, queues: Sequence[str] | None = None, reap: bool = False) ->
     """
     with open_store(self.app) as (store, options):
         node = getattr(self.request, "hostname", None)
-        reports = Sweeper(store, options, app=self.app, node=node).run(queues or (), reap)
+        reports = Sweeper(store, options, CeleryFollowUp(self.app, node)).run(queues or (), reap)
         return {r.queue: r.as_dict() for r in reports}
 
 

@@ -111,11 +111,12 @@ class EmqTestKit:
         from celery_emq.ops.tasks import open_store
         from celery_emq.transport.jobs import accepted_content
         from celery_emq.transport.sweeper import Sweeper
+        from celery_emq.worker.follow_up import CeleryFollowUp
 
         self.app = app
         self._stack = ExitStack()
         self.store, self.options = self._stack.enter_context(open_store(app))
-        self.sweeper = Sweeper(self.store, self.options, app=app)
+        self.sweeper = Sweeper(self.store, self.options, CeleryFollowUp(app))
         self.morgue = Morgue(self.store, accepted_content(app))
 
     def close(self) -> None:

@@ -2,7 +2,8 @@
 
 The transport runs in any kombu consumer. Inside a Celery worker the worker
 layer (:mod:`celery_emq.worker`) knows more: which deliveries its pool has
-started, the worker's node name, why Celery is about to settle a delivery.
+started, the worker's node name, why Celery is about to settle a delivery,
+a task's own stall budget, and which tasks are revoked.
 It tells the transport through the :class:`Host` it registers with
 :func:`set_host`; a plain kombu consumer keeps the default, which knows
 nothing of the kind. The layers above also ask to hear when a transport starts
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 from celery_emq.errors import EmqError
+from celery_emq.store.outcomes import UNSET
 
 __all__ = [
     "WORKER_LOST",
@@ -60,6 +62,9 @@ class Host(Protocol):
     def settled(self, tag: str) -> None:
         """``tag`` was acked or rejected: forget what was noted of it."""
 
+    def task_budget(self, task_name: str) -> object:
+        """The ``emq_max_stalled`` attribute of the task so named, as set; ``UNSET`` if none."""
+
     def revoked(self, task_id: str) -> None:
         """``task_id`` was revoked while it waited in the delayed set: discard it when it comes."""
 
@@ -81,6 +86,9 @@ class NoHost:
 
     def settled(self, tag: str) -> None:
         pass
+
+    def task_budget(self, task_name: str) -> object:
+        return UNSET
 
     def revoked(self, task_id: str) -> None:
         pass

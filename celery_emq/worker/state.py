@@ -13,10 +13,13 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from celery import current_app
 from celery.signals import worker_init, worker_ready
 
 from celery_emq.errors import CeleryHookMissingError
+from celery_emq.store.outcomes import UNSET
 from celery_emq.transport import process
+from celery_emq.transport.messages import BUDGET_OPTION
 from celery_emq.transport.process import Mark
 from celery_emq.worker import hooks, lost, marks, pool, revoke, starts
 from celery_emq.worker.marks import pop_mark, settled, started_delivery_tags
@@ -137,6 +140,13 @@ class CeleryHost:
 
     def settled(self, tag: str) -> None:
         settled(tag)
+
+    def task_budget(self, task_name: str) -> object:
+        try:
+            task = current_app.tasks.get(task_name)
+        except Exception:
+            return UNSET
+        return getattr(task, BUDGET_OPTION, UNSET) if task is not None else UNSET
 
     def revoked(self, task_id: str) -> None:
         hooks.remember_revoked(task_id)

@@ -46,7 +46,7 @@ def test_a_waker_keeps_waiting_after_its_client_failed_to_connect(
     _publish(connect(), name, {"warm": 1})
     conn = connect()
     got: list[Any] = []
-    real = celery_emq.cluster.cluster_class
+    real = celery_emq.transport.cluster.cluster_class
     failures = [1]
 
     def flaky(retries: int) -> Any:

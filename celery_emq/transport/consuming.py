@@ -1,0 +1,283 @@
+"""Consuming: waiting for work, claiming it, and handing each claim to kombu.
+
+A consumer blocks on its queues' wake lists (one ``BRPOP``), claims a batch
+from each queue whose marker it popped, and scans every queue at least once a
+scan interval (a marker can be lost). Each claimed job is decoded into a kombu
+message; one that cannot be, or whose content the consumer refuses, goes to
+the morgue. A delivery that fails gives the rest of its batch back at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from queue import Empty
+from time import monotonic
+from typing import Any
+
+from kombu.utils.encoding import bytes_to_str
+from kombu.utils.json import loads
+
+from celery_emq.store.codec import unpack
+from celery_emq.store.outcomes import UNSET, Claimed
+from celery_emq.transport.lease import keeper
+from celery_emq.transport.messages import (
+    BUDGET_OPTION,
+    CONTENT_DISALLOWED,
+    budget,
+    mark_delivery,
+    refused_content,
+)
+from celery_emq.transport.process import host
+from celery_emq.transport.settle import batcher
+from celery_emq.transport.store_channel import StoreChannel
+from celery_emq.transport.sweep_thread import sweep_thread
+
+__all__ = ["Consuming"]
+
+logger = logging.getLogger(__name__)
+
+
+class Consuming(StoreChannel):
+    """The channel's consuming half: the wait, the claims, the decoding of each."""
+
+    def basic_consume(
+        self, queue: str, no_ack: bool, callback: Any, consumer_tag: str, **kwargs: Any
+    ) -> Any:
+        self._no_ack[queue] = bool(no_ack)
+        # kombu's Consumer hands its bound receive callback: its ``accept`` is
+        # the content the consumer will decode (Celery's accept_content).
+        self._accept[queue] = getattr(getattr(callback, "__self__", None), "accept", None)
+        ret = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+        if not no_ack and queue not in self._fanout_queues:
+            # Inside a worker, once it is ready, settles wait this long for company.
+            batcher().delay_ms = self.emq.settle_delay_ms
+            # A consuming process sweeps what it consumes: recovery needs no
+            # other process.
+            self._register(queue)
+            self._check_server()
+            sweep_thread().watch(self.sweeper, queue)
+        return ret
+
+    def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
+        claimed = self._claim(queue, 1, held=0)
+        if not claimed:
+            return None
+        payload, tag = claimed[0]
+        if no_ack:
+            self._settle(tag)
+        message = self.Message(payload, channel=self)
+        if not no_ack:
+            self.qos.append(message, message.delivery_tag)
+        return message
+
+    def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
+        claimed = self._claim(queue, 1, held=0)
+        if not claimed:
+            raise Empty()
+        payload, tag = claimed[0]
+        if self._no_ack.get(queue, False):
+            self._settle(tag)
+        return payload
+
+    def _brpop_start(self, timeout: float | None = None) -> None:
+        if timeout is None:
+            timeout = self.brpop_timeout
+        queues = self._queue_cycle.consume(len(self.active_queues))
+        if not queues:
+            return
+        wake_keys = [self.store.keys(q).wake for q in queues]
+        for q, key in zip(queues, wake_keys, strict=True):
+            self._wake_queues[key] = q
+            if self.global_keyprefix and key.startswith(self.global_keyprefix):
+                # kombu's prefixing client strips its prefix from BRPOP replies.
+                self._wake_queues[key[len(self.global_keyprefix) :]] = q
+        self._in_poll = self.client.connection
+        self._brpop_sent_at = monotonic()
+        self.client.connection.send_command("BRPOP", *wake_keys, timeout or 0)
+
+    def _brpop_reply(self, **options: Any) -> str | None:
+        """Read the pending BRPOP reply; return the queue whose marker was popped."""
+        try:
+            try:
+                reply = self.client.parse_response(self.client.connection, "BRPOP", **options)
+            except self.connection_errors:
+                self.client.connection.disconnect()
+                raise
+        finally:
+            self._in_poll = None
+            self._flush_brpop_reauth()
+        if not reply:
+            return None
+        return self._wake_queues[bytes_to_str(reply[0])]
+
+    def _brpop_read(self, **options: Any) -> bool:
+        queue = self._brpop_reply(**options)
+        return self._deliver_woken([] if queue is None else [queue])
+
+    def _deliver_woken(self, woken: list[str]) -> bool:
+        """Claim for each queue whose wake marker was popped; scan the rest when due.
+
+        Raises:
+            Empty: nothing was delivered.
+        """
+        delivered = False
+        for i, queue in enumerate(woken):
+            if queue not in self._active_queues:
+                self._give_back_marker(queue)
+                continue
+            self._queue_cycle.rotate(queue)
+            try:
+                delivered = self._claim_and_deliver(queue, held=1) or delivered
+            except BaseException:
+                for rest in woken[i + 1 :]:
+                    self._give_back_marker(rest)
+                raise
+        # A marker can be lost (a consumer killed between its BRPOP and its
+        # claim), so look at every queue after a wait timed out, and at least
+        # once a scan interval however busy another queue keeps the BRPOP: a
+        # stranded job waits at most about one interval. An idle queue costs
+        # one EXISTS here, not a claim.
+        now = monotonic()
+        if not woken or now - self._scanned_at >= self._scan_interval_s:
+            self._scanned_at = now
+            for q in self._waiting(self.active_queues):
+                if self._claim_and_deliver(q, held=0):
+                    delivered = True
+        if delivered:
+            return True
+        raise Empty()
+
+    def _waiting(self, queues: list[str]) -> list[str]:
+        """Those of ``queues`` that have jobs to claim (promoting due delayed jobs)."""
+        return self.store.waiting(queues)
+
+    @property
+    def _scan_interval_s(self) -> float:
+        return float(self.brpop_timeout or 1)
+
+    def _claim_and_deliver(self, queue: str, held: int) -> bool:
+        """Claim a batch and hand each message to the consumer.
+
+        A batch reaches the consumer or goes back: if a delivery raises, the
+        claims not yet delivered are released at once (uncounted) before the
+        error propagates. A no-ack consumer's deliveries are deleted once
+        handed over, in one call for the batch.
+        """
+        budget = self.qos.can_consume_max_estimate()
+        count = self.emq.claim_batch if budget is None else min(budget, self.emq.claim_batch)
+        if count <= 0 or keeper().awaits_suspect():
+            if held:
+                self._give_back_marker(queue)
+            return False
+        no_ack = self._no_ack.get(queue, False)
+        claimed = self._claim(queue, count, held)
+        delivered = 0
+        try:
+            for payload, _tag in claimed:
+                self.connection._deliver(payload, queue)
+                delivered += 1
+        except BaseException:
+            # The delivery that raised may not have reached the QoS; the rest
+            # surely did not. Both go back now, not when their leases lapse.
+            self._release_all(
+                [tag for _payload, tag in claimed[delivered:] if tag not in self.qos._delivered]
+            )
+            raise
+        finally:
+            if no_ack:
+                self._settle_many([tag for _payload, tag in claimed[:delivered]])
+        return bool(claimed)
+
+    def _claim(self, queue: str, count: int, held: int) -> list[tuple[dict[str, Any], str]]:
+        """Claim up to ``count`` jobs; return each decodable one's payload and delivery tag.
+
+        A job that lapsed before its task started may kill this process while
+        it is received: the store hands it out only to a process that holds no
+        other claim (``alone``), so nothing else dies with it, and this process
+        claims nothing more, on any queue, until it is heard to start (see
+        :meth:`~celery_emq.transport.lease.LeaseKeeper.hold_suspect`).
+        """
+        if keeper().awaits_suspect():
+            return []
+        alone = keeper().held_count() == 0
+        if alone and batcher().queued():
+            # Acks of claims already forgotten may still wait for company: were
+            # a suspect handed out now to kill this process, they would die
+            # unsent and their tasks run again. They go first.
+            batcher().flush()
+        claimed = self.store.claim(
+            queue,
+            self.owner,
+            count,
+            held=held,
+            ttl_ms=self._queue_ttl.get(queue, 0),
+            alone=alone,
+        )
+        if not claimed:
+            return []
+        tags = keeper().hold(
+            self.store,
+            queue,
+            [(c.id, c.token) for c in claimed],
+            self.emq.renew_interval_ms,
+        )
+        for job, tag in zip(claimed, tags, strict=True):
+            if job.suspect:
+                # The keeper renews its lease, so no lapse of it frees this
+                # process: one lease after its claim does.
+                keeper().hold_suspect(tag, self.emq.lease_ms / 1000)
+        out = []
+        try:
+            for job, tag in zip(claimed, tags, strict=True):
+                payload = self._decode(queue, job, tag)
+                if payload is not None:
+                    out.append((payload, tag))
+        except BaseException:
+            # The caller gets none of the batch: none of it may stay held. (A
+            # claim already dead-lettered is no longer held; releasing it is a no-op.)
+            self._release_all(tags)
+            raise
+        return out
+
+    def _decode(self, queue: str, job: Claimed, tag: str) -> dict[str, Any] | None:
+        """Turn a claimed job into a kombu message; dead-letter what cannot be."""
+        try:
+            payload = loads(bytes_to_str(unpack(job.payload)))
+            props = payload["properties"]
+            headers = payload.setdefault("headers", {})
+            if not isinstance(props, dict) or not isinstance(headers, dict):
+                raise TypeError("properties and headers must be objects")
+            if payload.get("body"):
+                # What kombu will do to build the message: a body it cannot
+                # decode must go to the morgue here, not fail every delivery.
+                self.decode_body(payload["body"], props.get("body_encoding"))
+        except Exception as exc:
+            logger.error("celery_emq: job %s in %s cannot be decoded: %r", job.id, queue, exc)
+            self._bury(tag, "malformed", f"{type(exc).__name__}: {exc}")
+            return None
+        refused = refused_content(payload.get("content-type"), self._accept.get(queue))
+        if refused:
+            logger.error("celery_emq: job %s in %s refused: %s", job.id, queue, refused)
+            self._bury(tag, CONTENT_DISALLOWED, refused)
+            return None
+        task_id = headers.get("id")
+        if job.revoked and isinstance(task_id, str):
+            # Revoked while it waited in the delayed set: a worker that started
+            # later, or forgot, learns it here, before the message reaches it.
+            host().revoked(task_id)
+        if BUDGET_OPTION not in headers:
+            self._apply_task_budget(queue, job.id, headers.get("task"))
+        mark_delivery(payload, job, tag)
+        return payload  # type: ignore[no-any-return]
+
+    def _apply_task_budget(self, queue: str, job_id: str, task_name: Any) -> None:
+        """Write a task's own ``emq_max_stalled`` on its job row, if it has one."""
+        if not isinstance(task_name, str):
+            return
+        own = self._budgets.get(task_name)
+        if own is None and task_name not in self._budgets:
+            raw = host().task_budget(task_name)
+            own = self._budgets[task_name] = UNSET if raw is UNSET else budget(raw)
+        if own is not UNSET:
+            value = -1 if own is None else own
+            self.store.client.hset(self.store.keys(queue).job(job_id), "max_stalled", value)

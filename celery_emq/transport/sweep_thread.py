@@ -1,0 +1,166 @@
+"""The process-wide sweep thread: every queue this process consumes, swept on time.
+
+A consuming channel asks :func:`sweep_thread` to :meth:`~SweepThread.watch` each
+queue it consumes with its :class:`~celery_emq.transport.sweeper.Sweeper`, so
+recovery needs nothing but workers. Each Redis node's queues are swept on a
+lane of their own: a node that hangs delays only its own queues' sweeps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from functools import partial
+
+from celery_emq.store.jobstore import JobStore
+from celery_emq.store.nodes import Lanes, Troubles
+from celery_emq.transport import lease
+from celery_emq.transport.sweeper import Sweeper, SweepReport
+
+__all__ = ["SweepThread", "sweep_thread"]
+
+logger = logging.getLogger(__name__)
+
+
+class SweepThread:
+    """Sweeps, every ``sweep_interval_s``, each queue this process consumes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queues: dict[tuple[int, str], tuple[Sweeper, str]] = {}
+        self._interval_s: float | None = None
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()
+        self._lanes: Lanes[str] = Lanes("celery_emq-sweep")
+        self._expiry: Lanes[str] = Lanes("celery_emq-expire")
+        self._troubles = Troubles()
+
+    def watch(self, sweeper: Sweeper, queue: str) -> None:
+        """Start sweeping ``queue`` with ``sweeper`` (idempotent per store and queue)."""
+        with self._lock:
+            self._queues.setdefault((id(sweeper.store), queue), (sweeper, queue))
+            interval = sweeper.options.sweep_interval_s
+            if self._interval_s is None or interval < self._interval_s:
+                self._interval_s = interval
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="celery_emq-sweeper", daemon=True
+                )
+                self._thread.start()
+
+    def unwatch_store(self, store: JobStore) -> None:
+        """Stop sweeping every queue of ``store``."""
+        with self._lock:
+            for key in [k for k in self._queues if k[0] == id(store)]:
+                del self._queues[key]
+
+    def run_once(self, now_ms: int | None = None) -> list[SweepReport]:
+        """Sweep every watched queue once, node by node; then start the expiry pass.
+
+        The leases this process holds are renewed first if their renewal is
+        overdue (see :meth:`LeaseKeeper.renew_if_overdue`): a process that was
+        held up longer than a lease counts no stall against its own live claims.
+        The queues of a node whose leases of this process could not be renewed
+        are skipped this pass.
+
+        Each node's queues are swept on that node's lane (see
+        :mod:`celery_emq.nodes`), all bounded by the sweep interval: a node
+        that hangs holds up only its own queues' sweeps, so every other
+        queue is swept on time (a late sweep would read as an outage and let
+        stalls off). The expiry pass (``x-expires`` queues: a registry on one
+        node, queues on any) runs on a lane of its own and is not waited for.
+        """
+        with self._lock:
+            targets = list(self._queues.values())
+        if not targets:
+            return []
+        keeper = lease.keeper()
+        try:
+            keeper.renew_if_overdue(now_ms)
+        except Exception as exc:
+            logger.warning("celery_emq: could not renew this process's leases (%r)", exc)
+        # Within two intervals a renewed lease has not lapsed (a lease is
+        # over two renewal intervals long); past that, sweeping could count
+        # a stall against this process's own claim.
+        unrenewed = keeper.overdue_nodes(intervals=2)
+        by_node: dict[str, list[tuple[Sweeper, str]]] = {}
+        stores: dict[int, Sweeper] = {}
+        for sweeper, queue in targets:
+            stores.setdefault(id(sweeper.store), sweeper)
+            by_node.setdefault(sweeper.store.node_of(queue), []).append((sweeper, queue))
+        for node in sorted(unrenewed & set(by_node)):
+            self._troubles.report(
+                node,
+                "celery_emq: this process's leases on %s could not be renewed: "
+                "its queues are not swept until they are",
+                node,
+            )
+            del by_node[node]
+        shares = {node: partial(_sweep_all, items, now_ms) for node, items in by_node.items()}
+        reports: list[SweepReport] = []
+        interval_s = self._interval_s or 5.0
+        for node, share in self._lanes.run(shares, interval_s).items():
+            if share.done:
+                reports.extend(share.value or [])
+                self._troubles.over(node, "celery_emq: %s's queues swept again after %.1f s", node)
+            elif share.late and share.busy_s >= interval_s:
+                self._troubles.report(
+                    node,
+                    "celery_emq: the sweep of %s's queues has been running for %.1f s "
+                    "(the node does not answer?): they are swept again once it ends",
+                    node,
+                    share.busy_s,
+                )
+        self._expiry.run(
+            {str(key): partial(_expire, sweeper) for key, sweeper in stores.items()}, 0
+        )
+        return reports
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self._interval_s or 5.0)
+            self._wake.clear()
+            if self._queues:
+                # No time given: the scripts read the Redis server's clock.
+                self.run_once()
+
+
+def _sweep_all(targets: list[tuple[Sweeper, str]], now_ms: int | None) -> list[SweepReport]:
+    """Sweep each of one node's queues; a queue whose sweep fails is tried next pass."""
+    reports = []
+    for sweeper, queue in targets:
+        try:
+            reports.append(sweeper.sweep(queue, now_ms))
+        except Exception:
+            logger.exception("celery_emq: sweep of %s failed; retrying next pass", queue)
+    return reports
+
+
+def _expire(sweeper: Sweeper) -> None:
+    try:
+        sweeper.expire()
+    except Exception:
+        logger.exception("celery_emq: expiry pass failed; retrying next pass")
+
+
+_sweep_thread: SweepThread | None = None
+_lock = threading.Lock()
+
+
+def sweep_thread() -> SweepThread:
+    """Return the process-wide sweep thread."""
+    global _sweep_thread
+    with _lock:
+        if _sweep_thread is None:
+            _sweep_thread = SweepThread()
+        return _sweep_thread
+
+
+def _after_fork_in_child() -> None:
+    global _sweep_thread, _lock
+    _sweep_thread = None
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
