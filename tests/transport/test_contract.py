@@ -15,7 +15,8 @@ import celery_emq  # noqa: F401  (registers emq://)
 from celery_emq import EmqOptions, InvalidOptionError
 from celery_emq.store.batch import Batch
 from celery_emq.store.jobstore import JobStore
-from celery_emq.transport.lease import keeper, parse_tag
+from celery_emq.transport import lease
+from celery_emq.transport.lease import LeaseKeeper, keeper, parse_tag, worker_identity
 from celery_emq.transport.settle import batcher
 from celery_emq.transport.sweeper import Sweeper
 from tests.conftest import CLUSTER, servers_of
@@ -501,9 +502,20 @@ def consume_until(conn: Connection, got: list[Any], n: int, timeout: float) -> N
             pass
 
 
+@pytest.fixture
+def own_keeper(monkeypatch: pytest.MonkeyPatch) -> LeaseKeeper:
+    """A process keeper of this test's own: a suspect is handed only to a process holding nothing.
+
+    (A claim another test left held in the process's keeper would keep it back.)
+    """
+    fresh = LeaseKeeper(worker_identity())
+    monkeypatch.setattr(lease, "_keeper", fresh)
+    return fresh
+
+
 @pytest.mark.parametrize("settle", ["ack", "requeue", "lease"])
 def test_a_suspect_not_yet_started_holds_back_every_other_claim_of_the_process(
-    connect: ConnFactory, store: JobStore, prefix: str, settle: str
+    connect: ConnFactory, store: JobStore, prefix: str, settle: str, own_keeper: LeaseKeeper
 ) -> None:
     # A job that lapsed before its task started may kill the process receiving
     # it: handed out alone, it stays alone until it settles (or starts), or for
@@ -566,7 +578,7 @@ def test_a_suspect_not_yet_started_holds_back_every_other_claim_of_the_process(
 
 
 def test_acks_waiting_to_be_sent_go_before_a_suspect_is_claimed(
-    connect: ConnFactory, store: JobStore, prefix: str
+    connect: ConnFactory, store: JobStore, prefix: str, own_keeper: LeaseKeeper
 ) -> None:
     # Inside a worker an ack waits a few ms for company (settle_delay_ms), its
     # claim already forgotten. A suspect claimed meanwhile, were it to kill the
