@@ -1,7 +1,7 @@
 """emq only: how the store's hot paths scale, on a private ``redis-server``.
 
-Drives :class:`celery_emq.store.JobStore`, :class:`celery_emq.sweeper.Sweeper`,
-:func:`celery_emq.status.queue_status` and Flower's queue-length client directly
+Drives :class:`celery_emq.store.JobStore`, :class:`celery_emq.transport.sweeper.Sweeper`,
+:func:`celery_emq.store.status.queue_status` and Flower's queue-length client directly
 (no worker), on a Redis of its own: a million pending jobs take over a gigabyte.
 
 - claim latency: one ``claim`` of one job, timed from the client, from a queue

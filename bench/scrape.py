@@ -2,7 +2,7 @@
 
 Fills ``--queues`` queues on a Redis you name, each with ``--pending`` pending jobs over
 three priorities (a third in two fair lanes) and ``--active`` claimed ones, registers
-them, then scrapes them through :class:`celery_emq.metrics.EmqCollector` ``--scrapes``
+them, then scrapes them through :class:`celery_emq.ops.metrics.EmqCollector` ``--scrapes``
 times. Reports per scrape: the client's round trips (counted where redis-py writes to
 the socket: a pipeline counts one), the commands Redis ran for it (``INFO
 commandstats``, scripts' inner commands included; exact only on a Redis nothing else

@@ -10,7 +10,7 @@ Connect handlers exactly as to Celery's signals::
 
 Every signal is sent by the process that ran the sweep (a worker's sweep timer,
 the ``celery_emq.sweep`` task, or ``celery emq sweep``), with ``sender`` the
-task name and ``job`` a :class:`celery_emq.jobs.JobInfo` (task name, id, args,
+task name and ``job`` a :class:`celery_emq.transport.jobs.JobInfo` (task name, id, args,
 kwargs, queue, group, stall count, reason). A handler that raises is logged and
 never breaks the sweep.
 """

@@ -112,7 +112,7 @@ def test_retry_by_filter_is_paced(
         else:
             sleep(seconds)
 
-    monkeypatch.setattr("celery_emq.morgue.time.sleep", pause)
+    monkeypatch.setattr("celery_emq.ops.morgue.time.sleep", pause)
     retried = Morgue(store).retry(task="proj.a", rate_per_s=100)
     assert sorted(retried) == sorted(ids)
     assert len(pauses) == 2 and all(0.5 < p <= 1.0 for p in pauses)

@@ -7,8 +7,8 @@ and ``messages_dead`` (API only) what is in the morgue.
 
 It also attaches to each Flower application (:class:`flower.app.Flower`, built
 before or after :func:`register` runs): the morgue page at ``/emq``
-(:mod:`celery_emq.morgue_page`) and the Prometheus series
-(:mod:`celery_emq.metrics`) at ``/emq/metrics``, both behind Flower's
+(:mod:`celery_emq.ops.morgue_page`) and the Prometheus series
+(:mod:`celery_emq.ops.metrics`) at ``/emq/metrics``, both behind Flower's
 authentication. A Flower without authentication also serves the series on its
 own ``/metrics`` (the collector joins ``prometheus_client``'s default registry);
 one with authentication keeps its ``/metrics`` to Flower's own series, which it

@@ -28,7 +28,7 @@ metric                                      type     labels
 
 Flower serves them at ``/emq/metrics`` once celery_emq registers with Flower
 (and on its own ``/metrics`` when Flower has no authentication; see
-:mod:`celery_emq.flower`); ``celery -A app emq exporter --port N`` serves them
+:mod:`celery_emq.ops.flower`); ``celery -A app emq exporter --port N`` serves them
 without Flower. Needs the ``prometheus_client`` package (the ``metrics``
 extra); nothing else in celery_emq imports this module.
 """

@@ -3,7 +3,7 @@
 Flower serves its own ``/metrics`` to anyone. When Flower has authentication
 (``--basic-auth`` or ``--auth``), the emq series are served only here, where
 Flower lets in the users it lets into ``/emq``; without authentication they are
-served here and on ``/metrics`` alike (see :func:`celery_emq.flower.attach`).
+served here and on ``/metrics`` alike (see :func:`celery_emq.ops.flower.attach`).
 """
 
 from __future__ import annotations

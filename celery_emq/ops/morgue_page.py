@@ -1,7 +1,7 @@
 """The morgue page inside Flower: queue depths, dead jobs, a job's detail, retry and purge.
 
 Served by Flower itself at ``/emq`` once celery_emq attaches to it
-(:func:`celery_emq.flower.attach`); nothing else runs. The handlers are Flower's
+(:func:`celery_emq.ops.flower.attach`); nothing else runs. The handlers are Flower's
 own (:class:`flower.views.BaseHandler`), so Flower's authentication applies:
 every page and button needs the user Flower lets in. The buttons are forms
 that POST with Tornado's XSRF token, checked whatever Flower's authentication

@@ -64,7 +64,7 @@ class JobStore(Reads, Registry):
         """Add a job to the queue; ``DUPLICATE`` when the id already exists.
 
         ``payload`` is the message's JSON text; it is stored compressed when
-        that makes it smaller (:mod:`celery_emq.codec`). ``max_stalled`` gives
+        that makes it smaller (:mod:`celery_emq.store.codec`). ``max_stalled`` gives
         this job its own stall budget (``None``: never dead-letter); left
         unset, the sweep's default applies. A ``group`` puts the job in that
         group's fair lane. ``ttl_ms`` marks the queue as an ``x-expires`` queue
@@ -107,7 +107,7 @@ class JobStore(Reads, Registry):
 
         Each job's ``payload`` is the message's JSON text. Without
         ``wait_replicas`` only; a publish batch confirms its whole flush at once
-        (:mod:`celery_emq.batch`).
+        (:mod:`celery_emq.transport.batch`).
         """
         batch = self.scripts.batch()
         handle = self.queue_enqueue_many(batch, queue, jobs, ttl_ms, now_ms)

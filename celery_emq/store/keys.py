@@ -20,7 +20,7 @@ key                             type    content                           ends
                                         compact listpack (see
                                         :data:`JOB_FIELDS`)
 ``<p>:{q}:msg:<id>``            STRING  the job's message, as stored by   with the job
-                                        :mod:`celery_emq.codec`
+                                        :mod:`celery_emq.store.codec`
 ``<p>:{q}:delayed``             ZSET    jobs whose ETA is still ahead;    with its last job
                                         score = ETA (ms); promoted to
                                         pending once due

@@ -87,7 +87,7 @@ class Scripts(Loaded):
     ) -> Outcome:
         """Add a job to ``pending`` (or its group's lane); ``DUPLICATE`` if the id is taken.
 
-        ``payload`` is the message as stored (:func:`celery_emq.codec.pack`).
+        ``payload`` is the message as stored (:func:`celery_emq.store.codec.pack`).
         ``max_stalled`` gives the job a stall budget of its own (``None``: never
         dead-letter); left unset, the sweep's default applies. A job whose
         ``eta_ms`` is still ahead waits in ``delayed`` until it is due. Given a

@@ -226,7 +226,7 @@ class EmqTestKit:
     def sweep(self, *queues: str) -> list[Any]:
         """Run one sweep now (of ``queues``, or every registered queue); return its reports.
 
-        Each :class:`celery_emq.sweeper.SweepReport` lists the job ids
+        Each :class:`celery_emq.transport.sweeper.SweepReport` lists the job ids
         recovered and dead-lettered; a dead-letter sends
         ``job_dead_lettered`` and stores the task's failure, as a worker's
         sweep does.

@@ -8,7 +8,7 @@ this transport's scheme. In the project's ``conftest.py``::
 
     from pytest_celery import CeleryBrokerCluster
 
-    pytest_plugins = ["celery_emq.testing_docker"]
+    pytest_plugins = ["celery_emq.testing.docker"]
 
     @pytest.fixture
     def celery_broker_cluster(celery_emq_broker):
@@ -31,7 +31,7 @@ try:
     from pytest_celery import RedisTestBroker
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
-        'celery_emq.testing_docker needs pytest-celery: pip install "celery-emq[docker]"'
+        'celery_emq.testing.docker needs pytest-celery: pip install "celery-emq[docker]"'
     ) from exc
 
 __all__ = ["EmqTestBroker", "celery_emq_broker", "emq_url"]

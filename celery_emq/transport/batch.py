@@ -5,7 +5,7 @@ Inside ``with producer.batch():`` kombu hands each publish to the channel's
 message into its job as a single publish would (the job id is fixed there, from
 the message's ``emq_job_id`` or delivery tag) and the batch buffers it. A flush
 (at ``max_size`` buffered jobs and at the end of the batch) sends one
-``enqueue_many`` script call per queue (per :data:`~celery_emq.scripts.ENQUEUE_BATCH`
+``enqueue_many`` script call per queue (per :data:`~celery_emq.store.scripts.ENQUEUE_BATCH`
 jobs), all in one pipeline, followed by one ``WAIT`` when ``wait_replicas`` is
 set: on Redis Cluster one pipeline (and ``WAIT``) per master, each queue's call
 to the master of its slot. Each job gets the row, message, lane, FIFO

@@ -269,7 +269,7 @@ class ClusterChannel(WakingChannel):
 
 
 def _cluster(retries: int, **kwargs: Any) -> RedisCluster:
-    """A RedisCluster retrying as :class:`~celery_emq.retries.BoundedRedisCluster` says.
+    """A RedisCluster retrying as :class:`~celery_emq.store.retries.BoundedRedisCluster` says.
 
     No seed node answering is a connection error (kombu retries it).
     """

@@ -74,7 +74,7 @@ def describe(
 ) -> JobInfo:
     """Decode a stored message far enough to name its task, id and arguments.
 
-    ``payload`` is the message's JSON text or its stored form (:mod:`celery_emq.codec`).
+    ``payload`` is the message's JSON text or its stored form (:mod:`celery_emq.store.codec`).
 
     Only a body whose content type is in ``accept`` (MIME types, see
     :func:`accepted_content`) is decoded; the task's name and id still come

@@ -304,7 +304,7 @@ class LeaseKeeper:
         """Renew every held lease now, node by node; return the delivery tags newly found lost.
 
         Each node's share (its owed acks first, then its renewals) runs on
-        that node's lane (see :mod:`celery_emq.nodes`), all of them bounded by
+        that node's lane (see :mod:`celery_emq.store.nodes`), all of them bounded by
         the renewal interval: a node that hangs delays only its own leases,
         and is named in a warning saying how late their renewal is.
 

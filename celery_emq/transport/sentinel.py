@@ -2,12 +2,12 @@
 
 The broker URL lists the sentinels
 (``emq+sentinel://s1:26379;emq+sentinel://s2:26379/0``, read by
-:func:`~celery_emq.topology.target_of`); the transport option ``master_name``
+:func:`~celery_emq.store.topology.target_of`); the transport option ``master_name``
 names the master they monitor. kombu's ``sentinel://`` options keep their
 meaning: ``min_other_sentinels`` (a sentinel that knows fewer peers is not
 believed) and ``sentinel_kwargs`` (how to connect to the sentinels themselves,
 for instance their password, merged over the transport's own socket options).
-The sentinels are asked as :mod:`celery_emq.discovery` says: each once, the
+The sentinels are asked as :mod:`celery_emq.store.discovery` says: each once, the
 newest ``config-epoch`` wins, a hung one costs its timeout once.
 
 Every connection the transport opens is one of redis-py's

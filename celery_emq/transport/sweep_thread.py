@@ -65,7 +65,7 @@ class SweepThread:
         are skipped this pass.
 
         Each node's queues are swept on that node's lane (see
-        :mod:`celery_emq.nodes`), all bounded by the sweep interval: a node
+        :mod:`celery_emq.store.nodes`), all bounded by the sweep interval: a node
         that hangs holds up only its own queues' sweeps, so every other
         queue is swept on time (a late sweep would read as an outage and let
         stalls off). The expiry pass (``x-expires`` queues: a registry on one
