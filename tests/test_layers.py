@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import re
 import subprocess
@@ -83,3 +84,22 @@ def test_at_most_ten_modules_at_the_top_and_none_over_500_lines() -> None:
         if (n := len(p.read_text().splitlines())) > 500
     }
     assert not long, long
+
+
+def test_no_private_name_is_imported_across_a_layer() -> None:
+    package = ROOT / "celery_emq"
+
+    def layer(module: str) -> str:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 else ""
+
+    crossing = []
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("celery_emq."):
+                names = [a.name for a in node.names if a.name.startswith("_")]
+                if names and layer(node.module or "") != layer(module):
+                    crossing.append((module, node.module, names))
+    assert not crossing, crossing
