@@ -30,6 +30,9 @@ key                             type    content                           ends
 ``<p>:{q}:wake``                LIST    one marker per job made           deleted when nothing is
                                         claimable; consumers block on it  pending (claim, sweep)
                                         with BRPOP, then claim
+``<p>:{q}:hold``                LIST    never written: a consumer that    never exists
+                                        holds a suspect waits on it (a
+                                        BRPOP that only times out)
 ``<p>:{q}:seq``                 STRING  tail sequence (INCR) for FIFO     deleted when nothing is
                                         order                             pending (claim, sweep)
 ``<p>:{q}:head``                STRING  head sequence (INCR) for          deleted when nothing is
@@ -155,6 +158,10 @@ class QueueKeys:
     @property
     def wake(self) -> str:
         return self.base + "wake"
+
+    @property
+    def hold(self) -> str:
+        return self.base + "hold"
 
     @property
     def seq(self) -> str:

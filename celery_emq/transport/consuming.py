@@ -85,6 +85,10 @@ class Consuming(StoreChannel):
         queues = self._queue_cycle.consume(len(self.active_queues))
         if not queues:
             return
+        hold_s = keeper().suspect_hold_s()
+        if hold_s:
+            self._wait_out_suspect(queues[0], hold_s, timeout)
+            return
         wake_keys = [self.store.keys(q).wake for q in queues]
         for q, key in zip(queues, wake_keys, strict=True):
             self._wake_queues[key] = q
@@ -94,6 +98,22 @@ class Consuming(StoreChannel):
         self._in_poll = self.client.connection
         self._brpop_sent_at = monotonic()
         self.client.connection.send_command("BRPOP", *wake_keys, timeout or 0)
+
+    def _wait_out_suspect(self, queue: str, hold_s: float, timeout: float | None) -> None:
+        """Wait on a list nothing is pushed to, until the suspect's hold may be over.
+
+        While a suspect this process holds has not started, no wake marker may
+        be popped (it could not be claimed, and giving it back only to pop it
+        again would spin). The consumer's connection still waits, so kombu's
+        loop goes on reading fanout (remote control, gossip, events) and the
+        wait's end brings a scan: claiming resumes on the first after the hold.
+        """
+        wait_s = min(hold_s, float(timeout or 1))
+        self._in_poll = self.client.connection
+        self._brpop_sent_at = monotonic()
+        self.client.connection.send_command(
+            "BRPOP", self.store.keys(queue).hold, f"{max(wait_s, 0.05):.3f}"
+        )
 
     def _brpop_reply(self, **options: Any) -> str | None:
         """Read the pending BRPOP reply; return the queue whose marker was popped."""
@@ -203,8 +223,10 @@ class Consuming(StoreChannel):
         if alone and batcher().queued():
             # Acks of claims already forgotten may still wait for company: were
             # a suspect handed out now to kill this process, they would die
-            # unsent and their tasks run again. They go first.
+            # unsent and their tasks run again. They go first (one that fails
+            # is owed, and held again: then this process is not alone).
             batcher().flush()
+            alone = keeper().held_count() == 0
         claimed = self.store.claim(
             queue,
             self.owner,

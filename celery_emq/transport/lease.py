@@ -171,6 +171,14 @@ class LeaseKeeper:
                     del self._suspects[tag]
             return bool(self._suspects)
 
+    def suspect_hold_s(self) -> float:
+        """How long, at most, the suspects this process holds keep claims back (0: none)."""
+        if not self.awaits_suspect():
+            return 0.0
+        with self._lock:
+            until = min(self._suspects.values(), default=time.monotonic())
+        return max(0.0, until - time.monotonic())
+
     def owe_acks(self, claims: list[Claim]) -> None:
         """Hold finished claims whose ack failed; ack them again on every pass.
 

@@ -7,7 +7,6 @@ from typing import Any, Protocol
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
-from celery_emq.transport.lease import keeper
 from celery_emq.transport.process import WORKER_LOST, host
 from celery_emq.transport.settle import batcher
 
@@ -48,12 +47,11 @@ class QoS(kombu_redis.QoS):
         Every claim costs a round trip (two after an idle wait), so a prefork
         or solo worker whose pool is busy tops up its prefetch in batches: it
         claims again once half its prefetch is free. It does not wait while a
-        pool process may idle (see :meth:`Host.claim_at_once`). Nothing is claimed
-        while this process holds a suspect that has not started
-        (:meth:`~celery_emq.transport.lease.LeaseKeeper.awaits_suspect`).
+        pool process may idle (see :meth:`Host.claim_at_once`). (While this
+        process holds a suspect that has not started, the channel waits on no
+        wake list and claims nothing, but the consumer goes on reading
+        everything else: see ``Consuming._brpop_start``.)
         """
-        if keeper().awaits_suspect():
-            return False
         pcount = self.prefetch_count
         if not pcount:
             return True

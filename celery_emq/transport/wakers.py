@@ -25,6 +25,7 @@ from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
 from celery_emq.transport.channel import Channel
+from celery_emq.transport.lease import keeper
 
 __all__ = ["RETRY_S", "WakeClient", "WakeConnection", "Waker", "WakingChannel"]
 
@@ -231,6 +232,17 @@ class WakingChannel(Channel):
         groups = self._wake_groups()
         self._retire_wakers(groups)
         if not groups:
+            return
+        hold_s = keeper().suspect_hold_s()
+        if hold_s:
+            # No waker is armed while a suspect holds claims back (a marker it
+            # popped could not be claimed): the loop goes on reading fanout, and
+            # is woken for a scan once the hold may be over.
+            self._in_poll = self.client.connection
+            self._brpop_sent_at = monotonic()
+            timer = threading.Timer(min(hold_s, self._wait_s), self._signal)
+            timer.daemon = True
+            timer.start()
             return
         for slot, keys in groups.items():
             if slot not in self._wakers:

@@ -71,7 +71,6 @@ def record_start(sender: Any = None, task: Any = None, **kwargs: Any) -> None:
         # A prefork child (its worker records the start, see on_accepted), or
         # a claim already settled (a task acked before it runs).
         return
-    keeper().started(tag)
     try:
         batcher().start_now(held)
     except Exception:
@@ -82,6 +81,10 @@ def record_start(sender: Any = None, task: Any = None, **kwargs: Any) -> None:
             held.queue,
             exc_info=True,
         )
+        return
+    # Recorded: a suspect no longer holds claims back (unrecorded, it goes on
+    # doing so, for one lease at most).
+    keeper().started(tag)
 
 
 def ack_success(sender: Any = None, **kwargs: Any) -> None:

@@ -677,3 +677,45 @@ def test_producer_and_consumer_see_headers_properties_and_priority_as_published(
     assert message.headers == PUBLISHED_HEADERS
     assert {k: message.properties[k] for k in PUBLISHED_PROPERTIES} == PUBLISHED_PROPERTIES
     assert message.properties["delivery_tag"] == message.delivery_tag
+
+
+def test_a_process_holding_a_suspect_still_hears_broadcasts_and_does_not_spin(
+    connect: ConnFactory, store: JobStore, prefix: str, own_keeper: LeaseKeeper
+) -> None:
+    # Remote control and gossip arrive by fanout on the same connection: a
+    # suspect held unstarted holds back claims, not everything the consumer reads.
+    conn, q = connect(lease_ms=4000), queue("q")
+    publish(conn, q, ["suspect"])
+    [suspect_id] = [i.decode() for i in store.client.zrange(store.keys("q").pending, 0, -1)]
+    store.client.hset(store.keys("q").job(suspect_id), "lapsed", 1)
+    ex = Exchange(f"{prefix}bcast", "fanout")
+    got: list[Any] = []
+    heard: list[Any] = []
+    with (
+        Consumer(conn.channel(), [q], callbacks=[lambda b, m: got.append((b, m))], accept=["json"]),
+        Consumer(
+            conn.channel(),
+            [Queue(f"{prefix}b1", ex)],
+            callbacks=[lambda b, m: heard.append(b)],
+            no_ack=True,
+        ),
+    ):
+        consume_until(conn, got, 1, 5)
+        assert [b for b, _ in got] == ["suspect"]
+        assert own_keeper.awaits_suspect()
+        with connect() as other:
+            Producer(other.channel(), exchange=ex).publish("ping", serializer="json")
+        turns = 0
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            turns += 1
+            try:
+                conn.drain_events(timeout=0.5)
+            except TimeoutError:
+                pass
+        assert own_keeper.awaits_suspect()  # still held: nothing else was claimed
+        assert heard == ["ping"]
+        # Waiting, not spinning: a turn ends on a message, a wait's end or its timeout.
+        assert turns < 30, turns
+        got[0][1].ack()
+    assert store.counts("q")["active"] == 0
