@@ -508,7 +508,7 @@ class Chaos:
         self.taken = {
             t
             for t, at in self.published_at.items()
-            if any(w.t_snap < at < w.t_down for w in faults)
+            if any(w.t_snap < at < w.t_up for w in faults)  # see LostWrites
         }
 
     def done(self) -> int:

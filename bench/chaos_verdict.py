@@ -94,7 +94,11 @@ class Restart:
 class LostWrites:
     """One restart from a snapshot: taken at ``t_snap``, SIGKILLed at ``t_down``, back at ``t_up``.
 
-    Every write Redis acknowledged in (``t_snap``, ``t_down``) is lost.
+    Every write Redis acknowledged in (``t_snap``, ``t_down``) is lost. A publish
+    is noted when it returns, which can be just after ``t_down`` for one whose
+    reply was read just before the kill; and none succeeds while the server is
+    down: so every publish noted in (``t_snap``, ``t_up``) was written before the
+    crash, and taken by it.
     """
 
     t_snap: float
@@ -226,7 +230,7 @@ def judge(
         by_task[r.task].append(r)
     at = published_at or {}
     taken = {
-        t for t in published if t in at and any(w.t_snap < at[t] < w.t_down for w in lost_writes)
+        t for t in published if t in at and any(w.t_snap < at[t] < w.t_up for w in lost_writes)
     }
     unrun = sorted(t for t in published if not any(r.end is not None for r in by_task.get(t, ())))
     lost = [t for t in unrun if t not in taken]

@@ -169,3 +169,16 @@ def test_publishes_a_lost_write_took_are_counted_apart_from_the_lost() -> None:
     plain = judge(published, runs, [], [], published_at=at)
     assert plain["lost_tasks"] == ["held-unrun", "taken"]
     assert plain["publishes_taken_by_lost_writes"] == 0
+
+
+def test_a_publish_seen_to_return_after_the_crash_was_acknowledged_before_it() -> None:
+    # The publisher notes a publish's time once it returns; the crash's time is
+    # noted once the killed server has exited. A reply read just before the kill
+    # can be noted after it: while the server is down no publish succeeds, so
+    # one that returned before the server was back was written before the crash.
+    published = {"at-the-crash": 1, "after": 1}
+    at = {"at-the-crash": 2.001, "after": 2.6}
+    runs = [run("after", 2.7, 2.8, job="j1")]
+    v = judge(published, runs, [], [], [LostWrites(1.0, 2.0, 2.5)], published_at=at)
+    assert v["lost_tasks"] == []
+    assert v["taken_and_never_run"] == ["at-the-crash"]
