@@ -52,7 +52,7 @@ class Recorder:
         return Run()
 
     def evalsha(self, sha: str, numkeys: int, *keys_and_args: Any) -> Any:
-        """The direct call :meth:`Scripts._run` makes (``sha`` is the source here)."""
+        """The direct call :meth:`Scripts.run` makes (``sha`` is the source here)."""
         self.calls.append((list(keys_and_args[:numkeys]), list(keys_and_args[numkeys:])))
         return reply(sha)
 

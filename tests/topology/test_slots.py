@@ -43,14 +43,14 @@ def test_every_script_call_keeps_to_one_slot(
     store: JobStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: dict[str, int] = {}
-    run = Scripts._run
+    run = Scripts.run
 
     def checked(self: Scripts, name: str, keys: Any, args: Any) -> Any:
         assert len({slot(k) for k in keys}) == 1, (name, keys)
         seen[name] = seen.get(name, 0) + 1
         return run(self, name, keys, args)
 
-    monkeypatch.setattr(Scripts, "_run", checked)
+    monkeypatch.setattr(Scripts, "run", checked)
     for queue in ("celery", "a.b:c", "x" * 100):
         store.enqueue(queue, "1", "{}", group="{g}")
         store.enqueue(queue, "2", "{}", eta_ms=store.server_ms() + 60_000, task_id="t2")
