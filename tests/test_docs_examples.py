@@ -15,6 +15,7 @@ file into its block after an example changed.
 from __future__ import annotations
 
 import re
+import runpy
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,32 @@ def sync(page: Path) -> bool:
 def test_no_page_has_a_snippet_line_github_would_show_raw() -> None:
     for page in PAGES:
         assert "--8<--" not in page.read_text(), page.name
+
+
+def visible(text: str) -> str:
+    """What GitHub shows of a page's Markdown: HTML comments hidden."""
+    return re.sub(r"<!--.*?-->", "", text, flags=re.S)
+
+
+def test_no_page_shows_github_a_build_directive() -> None:
+    # mkdocstrings' `::: module` (and its indented options) would read as a
+    # paragraph of raw text on GitHub: the API page names its modules in comments.
+    for page in PAGES:
+        raw = [line for line in visible(page.read_text()).splitlines() if line.startswith(":::")]
+        assert raw == [], page.name
+
+
+def test_the_site_renders_every_module_the_api_page_names() -> None:
+    hooks = runpy.run_path(str(ROOT / "scripts" / "mkdocs_hooks.py"))
+    text = (ROOT / "docs" / "api.md").read_text()
+    built = hooks["on_page_markdown"](text)
+    named = re.findall(r"^<!-- api: (\S+)", text, re.M)
+    assert "celery_emq" in named and "celery_emq.store.jobstore" in named
+    assert re.findall(r"^::: (\S+)$", built, re.M) == named
+    assert "<!-- api:" not in built
+    # The options stay under their directive, as mkdocstrings reads them.
+    assert "::: celery_emq\n    options:\n      members:\n        - Morgue\n" in built
+    assert (ROOT / "mkdocs.yml").read_text().count("scripts/mkdocs_hooks.py") == 1
 
 
 def test_the_marked_examples_are_there() -> None:

@@ -154,6 +154,19 @@ def test_an_unknown_id_changes_nothing(
     assert store.counts("celery")["pending"] == 1
 
 
+def test_a_button_with_no_job_selected_changes_nothing(
+    app: Celery, store: JobStore, client: redis.Redis, prefix: str, browser: Browser
+) -> None:
+    # An empty selection is nothing, never the whole morgue.
+    kill(app, store, "proj.a", when_ms=10_000)
+    before = snapshot(client, prefix)
+    for path in ("/emq/retry", "/emq/purge"):
+        for fields in ([], [("id", " ")], [("queue", "celery")]):
+            status, body = browser.post(path, fields)
+            assert status == 400 and "no job selected" in body, (path, fields)
+    assert snapshot(client, prefix) == before
+
+
 def test_flowers_menu_links_to_the_page(app: Celery, fresh_registry: None) -> None:
     emq_flower.register()
     options = SimpleNamespace(**{**default_options.as_dict(), "url_prefix": "flower"})

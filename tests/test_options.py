@@ -118,6 +118,19 @@ def test_the_sweep_interval_default_is_a_third_of_the_lease_at_most_5s(
     assert options.sweep_interval_s == pytest.approx(interval_s)
 
 
+def test_the_default_sweep_interval_never_warns(caplog: pytest.LogCaptureFixture) -> None:
+    # The default is lease_ms / 3000, the very bound the warning checks: no lease,
+    # however it rounds, may warn about its own default (548 ms once did).
+    with caplog.at_level(logging.WARNING, logger="celery_emq.options"):
+        for lease_ms in [*range(500, 15_001), 10_800_000]:
+            options = EmqOptions.from_transport_options({"lease_ms": lease_ms})
+            assert options.sweep_interval_s <= min(5.0, lease_ms / 3000)
+            EmqOptions.from_transport_options(
+                {"lease_ms": lease_ms, "sweep_interval_s": lease_ms / 3000}
+            )
+    assert [r.getMessage() for r in caplog.records] == []
+
+
 def test_a_long_sweep_interval_warns_once(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="celery_emq.options"):
         for _ in range(5):

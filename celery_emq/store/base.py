@@ -7,12 +7,15 @@ from typing import Any
 from celery_emq.store.keys import QueueKeys
 from celery_emq.store.scripts import Scripts
 
-__all__ = ["METRICS", "PURGE_BATCH", "StoreBase"]
+__all__ = ["COUNTERS", "METRICS", "PURGE_BATCH", "StoreBase"]
 
 #: Jobs one ``purge`` script call deletes before the store calls it again.
 PURGE_BATCH = 1000
 #: The counters every queue keeps (``<p>:{q}:metrics:<name>``, field ``count``).
 METRICS: tuple[str, ...] = ("completed", "recovered", "stalled", "failed", "retried")
+#: Every counter a queue may hold: those and ``fenced`` (settles that named a claim
+#: other than the live one, by verb), which appears only once one is counted.
+COUNTERS: tuple[str, ...] = (*METRICS, "fenced")
 
 
 class StoreBase:

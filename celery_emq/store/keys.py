@@ -57,7 +57,9 @@ key                             type    content                           ends
                                         ``retried``; ``recovered``,       expires
                                         ``stalled`` and ``failed`` also
                                         count by reason (field
-                                        ``reason:<reason>``)
+                                        ``reason:<reason>``); ``fenced``
+                                        (settles that named another
+                                        claim) by verb
 ``<p>:{q}:migrated``            ZSET    source delivery tags ``emq        PX 7 days
                                         migrate`` moved into the queue;
                                         score = when (ms)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from celery_emq.store.base import METRICS, PURGE_BATCH, StoreBase
+from celery_emq.store.base import COUNTERS, PURGE_BATCH, StoreBase
 from celery_emq.store.calls import text
 
 __all__ = ["Registry"]
@@ -38,7 +38,7 @@ class Registry(StoreBase):
         with self.client.pipeline(transaction=False) as pipe:
             for q in queues:
                 k = self.keys(q)
-                metrics = (k.metrics(n) for n in METRICS)
+                metrics = (k.metrics(n) for n in COUNTERS)
                 pipe.exists(k.pending, k.active, k.dead, k.lanes, k.delayed, *metrics)
             return [int(n) for n in pipe.execute()]
 
@@ -81,7 +81,7 @@ class Registry(StoreBase):
             k = self.keys(queue)
             total = 0
             while True:
-                n = self.scripts.purge(k, limit, expired=True, counters=METRICS)
+                n = self.scripts.purge(k, limit, expired=True, counters=COUNTERS)
                 if n < limit:
                     break
                 total += n

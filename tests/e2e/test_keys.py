@@ -26,6 +26,12 @@ def keys_without_ttl(client: redis.Redis, prefix: str) -> list[bytes]:
     return sorted(k for k, t in zip(found, ttls, strict=True) if t == -1)
 
 
+def binding_members(client: redis.Redis, prefix: str) -> int:
+    """Members of kombu's binding tables (sets without a TTL, that could grow inside)."""
+    tables = list(client.scan_iter(match=prefix + "*_kombu.binding.*", count=1000))
+    return sum(int(client.scard(t)) for t in tables if client.type(t) == b"set")
+
+
 def test_inspect_pings_leave_no_key_without_a_ttl(
     start_worker: Callable[..., Worker], capp: Any, client: redis.Redis, prefix: str
 ) -> None:
@@ -39,13 +45,19 @@ def test_inspect_pings_leave_no_key_without_a_ttl(
     for control in controls[:5]:
         assert control.inspect(timeout=5, limit=1).ping()
     before = keys_without_ttl(client, prefix)
+    bound = binding_members(client, prefix)
     started = time.monotonic()
     for control in controls[5:]:
         assert control.inspect(timeout=5, limit=1).ping(), worker.log.read_text()[-2000:]
     elapsed = time.monotonic() - started
     after = keys_without_ttl(client, prefix)
-    print(f"{PINGS} pings in {elapsed:.1f} s; keys without a TTL: {len(before)} -> {len(after)}")
+    print(
+        f"{PINGS} pings in {elapsed:.1f} s; keys without a TTL: {len(before)} -> {len(after)}; "
+        f"binding members: {bound} -> {binding_members(client, prefix)}"
+    )
     assert len(after) <= len(before) + 3, [k for k in after if k not in before][:10]
+    # Nor does any of those keys grow inside: each reply queue's binding leaves with it.
+    assert binding_members(client, prefix) <= bound + 3
     # Once they expired, the workers' expiry pass leaves no key of any reply queue.
     wait_for(lambda: not list(client.scan_iter(match=prefix + "*.reply.celery.pidbox}*")), 15, 0.5)
     assert client.scard(prefix + "emq:expiring") <= 1

@@ -91,3 +91,19 @@ def test_a_queue_used_again_before_the_expiry_pass_is_kept(
     store.enqueue("tmp", "b", b"{}", ttl_ms=TTL_MS)
     assert store.expire() == {}
     assert client.zrange(store.keys("tmp").pending, 0, -1) == [b"a", b"b"]
+
+
+def test_an_expired_queue_leaves_no_counter_of_fenced_settles(
+    store: JobStore, client: redis.Redis
+) -> None:
+    store.declare_expiring("tmp", TTL_MS)
+    store.enqueue("tmp", "j", b"{}", ttl_ms=TTL_MS)
+    [job] = store.claim("tmp", "w", ttl_ms=TTL_MS)
+    # An ack naming a claim other than the live one is counted as fenced.
+    store.ack("tmp", "j", "1.not-the-live-claim")
+    assert client.exists(store.keys("tmp").metrics("fenced"))
+    assert store.ack("tmp", "j", job.token) is Outcome.OK
+    time.sleep(TTL_MS * 1.5 / 1000)
+    assert store.expire() == {}
+    assert client.smembers(store.expiring_key) == set()
+    assert queue_keys(client, store, "tmp") == []

@@ -82,6 +82,21 @@ def test_roundtrip_acks_and_leaves_no_job(
     assert keeper().held_count(prefix) == 0
 
 
+def test_a_deleted_queue_leaves_no_key_without_an_end(
+    connect: ConnFactory, store: JobStore, client: redis.Redis
+) -> None:
+    conn, q = connect(), queue("gone")
+    publish(conn, q, [{"n": 0}])
+    assert len(drain(conn, q, 1)) == 1  # a completed job: its counter has a TTL
+    publish(conn, q, [{"n": 1}, {"n": 2}])
+    assert store.counts("gone")["pending"] == 2
+    conn.default_channel.queue_delete("gone")
+    assert store.counts("gone") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
+    left = list(client.scan_iter(match=store.keys("gone").base + "*", count=1000))
+    assert left, "the completed count stays, for its 30 days"
+    assert [k for k in left if client.pttl(k) == -1] == []
+
+
 def test_lower_priority_number_is_consumed_first(connect: ConnFactory) -> None:
     conn, q = connect(), queue()
     publish(conn, q, ["late"], priority=9)
