@@ -34,14 +34,20 @@ def owed_to(monkeypatch: pytest.MonkeyPatch) -> LeaseKeeper:
 
 
 @pytest.fixture
-def round_trips(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
-    """Every command (or whole pipeline) this process sends from now on: one round trip each."""
+def round_trips(monkeypatch: pytest.MonkeyPatch, prefix: str) -> list[bytes]:
+    """Every command (or whole pipeline) on this test's keys sent from now on: one round trip each.
+
+    Only those naming the test's prefix: a thread an earlier test left behind (a
+    sweep on a hung node ends its wait later) may still send its own.
+    """
     sent: list[bytes] = []
     original = AbstractConnection.send_packed_command
+    mine = prefix.encode()
 
     def counted(self: Any, command: Any, check_health: bool = True) -> Any:
         head = command if isinstance(command, bytes) else b"".join(command)
-        sent.append(head)
+        if mine in head:
+            sent.append(head)
         return original(self, command, check_health)
 
     monkeypatch.setattr(AbstractConnection, "send_packed_command", counted)
