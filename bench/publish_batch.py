@@ -95,6 +95,8 @@ def run_celery(url: str, n: int, rounds: int) -> None:
     single: dict[str, list[float]] = {s: [] for s in schemes}
     batched: dict[str, list[float]] = {s: [] for s in schemes}
     ratio: dict[str, list[float]] = {s: [] for s in schemes}
+    #: Per round: client CPU and Redis CPU per task (us), one by one then batched.
+    cpu: dict[str, list[tuple[float, float, float, float]]] = {s: [] for s in schemes}
     for r in range(rounds + 1):
         order = schemes if r % 2 else tuple(reversed(schemes))
         for scheme in order:
@@ -107,21 +109,28 @@ def run_celery(url: str, n: int, rounds: int) -> None:
             try:
                 with app.producer_or_acquire() as producer:
                     noop.apply_async(producer=producer)  # connect and declare first
-                    t0 = time.perf_counter()
+                    client.config_resetstat()
+                    c0, t0 = time.process_time(), time.perf_counter()
                     for _ in range(n):
                         noop.apply_async(producer=producer)
-                    t1 = time.perf_counter()
+                    c1, t1 = time.process_time(), time.perf_counter()
+                    server_single = _server_usec(client)
+                    client.config_resetstat()
+                    c2, t2 = time.process_time(), time.perf_counter()
                     with producer.batch(max_size=n):
                         for _ in range(n):
                             noop.apply_async(producer=producer)
-                    t2 = time.perf_counter()
+                    c3, t3 = time.process_time(), time.perf_counter()
+                    server_batched = _server_usec(client)
             finally:
                 app.close()
                 scan_delete(client, prefix)
             if r:  # the first round loads scripts and warms both paths
                 single[scheme].append(n / (t1 - t0))
-                batched[scheme].append(n / (t2 - t1))
-                ratio[scheme].append((t1 - t0) / (t2 - t1))
+                batched[scheme].append(n / (t3 - t2))
+                ratio[scheme].append((t1 - t0) / (t3 - t2))
+                one = ((c1 - c0) * 1e6 / n, server_single / n)
+                cpu[scheme].append((*one, (c3 - c2) * 1e6 / n, server_batched / n))
     med = statistics.median
     for scheme in schemes:
         print(
@@ -131,6 +140,22 @@ def run_celery(url: str, n: int, rounds: int) -> None:
             f"(rounds {min(ratio[scheme]):.2f}-{max(ratio[scheme]):.2f})"
         )
     print(f"emq / stock, batched: {med(batched['emq']) / med(batched['redis']):.2f}")
+    print("CPU per task (us, medians), client + Redis server:")
+    for scheme in schemes:
+        cs, ss, cb, sb = (med(x[i] for x in cpu[scheme]) for i in range(4))
+        print(
+            f"{scheme + '://':>8} one by one {cs:5.1f} + {ss:4.1f}, batched {cb:5.1f} + {sb:4.1f}"
+        )
+
+
+#: The benchmark's own commands to the server (statistics), not counted.
+_OWN = ("cmdstat_config", "cmdstat_info")
+
+
+def _server_usec(client: redis.Redis) -> float:
+    """Microseconds the Redis server spent in commands since its statistics were reset."""
+    stats = client.info("commandstats")
+    return float(sum(int(v["usec"]) for k, v in stats.items() if k not in _OWN))
 
 
 def _noop() -> None:
