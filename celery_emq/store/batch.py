@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import (
     AskError,
@@ -15,19 +14,16 @@ from redis.exceptions import (
     NoScriptError,
     RedisClusterException,
     RedisError,
-    ResponseError,
     TimeoutError,
     TryAgainError,
 )
 
 from celery_emq.store.calls import (
     ACK_BATCH,
-    ENQUEUE_BATCH,
     ack_call,
     ack_outcomes,
     enqueue_call,
-    enqueue_many_args,
-    enqueue_many_keys,
+    enqueue_many_calls,
     enqueue_many_outcomes,
     oldest_call,
     outcome_of,
@@ -41,51 +37,11 @@ from celery_emq.store.keys import QueueKeys
 from celery_emq.store.loader import Loaded
 from celery_emq.store.outcomes import UNSET, NewJob, Outcome, Unset
 
-__all__ = ["Batch", "Deferred"]
+__all__ = ["Batch"]
 
 #: Replies of a call (on a cluster) that did not reach the master of its slot:
 #: it is run again alone through the cluster client, which follows the change.
 _MISSED = (MovedError, AskError, TryAgainError, ClusterDownError, ConnectionError, TimeoutError)
-
-
-#: What ``ConnectionPool.get_connection`` is given: redis-py before 5.3 asks a
-#: command's name (it reads none of it), later ones warn when given one.
-_COMMAND_NAME: tuple[str, ...] = (
-    ("EVALSHA",) if tuple(int(x) for x in redis.__version__.split(".")[:2]) < (5, 3) else ()
-)
-
-
-class Deferred:
-    """A call's arguments, built when the call is sent (once; kept for a resend)."""
-
-    __slots__ = ("_args", "_build")
-
-    def __init__(self, build: Callable[[], list[Any]]) -> None:
-        self._build: Callable[[], list[Any]] | None = build
-        self._args: list[Any] = []
-
-    def get(self) -> list[Any]:
-        if self._build is not None:
-            self._args, self._build = self._build(), None
-        return self._args
-
-
-#: A call's arguments: as they are, or built when the call is sent.
-Args = list[Any] | Deferred
-
-
-def _built(args: Args) -> list[Any]:
-    return args.get() if isinstance(args, Deferred) else args
-
-
-class _Queued:
-    """Stands for the connection to ``confirm``: the commands it queues go after the calls."""
-
-    def __init__(self) -> None:
-        self.commands: list[tuple[Any, ...]] = []
-
-    def execute_command(self, *args: Any, **_options: Any) -> None:
-        self.commands.append(args)
 
 
 class Batch:
@@ -96,11 +52,7 @@ class Batch:
     ``SCRIPT FLUSH``, a restart or a failover, which is loaded and run again)
     leaves the others' results standing. redis-py's pipeline would ask ``SCRIPT
     EXISTS`` first, a round trip of its own on every send: the calls here go
-    as plain ``EVALSHA`` instead. A call's arguments may be :class:`Deferred`,
-    built only when it is sent (a publish batch's compressed messages): what
-    is queued before it is written first, so the server runs those calls
-    while the client builds it, and the client waits only for the last. The
-    replies are read once every call is written: one round trip's wait.
+    as plain ``EVALSHA`` instead.
 
     Each method queues one transition and returns a handle; :meth:`execute`
     sends them all, after which :meth:`result` returns a handle's outcome or
@@ -109,7 +61,7 @@ class Batch:
 
     def __init__(self, scripts: Loaded) -> None:
         self._scripts = scripts
-        self._calls: list[tuple[str, list[str], Args]] = []
+        self._calls: list[tuple[str, list[str], list[Any]]] = []
         self._replies: list[Any] = []
         #: Per handle: the indices of its calls and how to read their replies.
         self._handles: list[tuple[list[int], Callable[[list[Any]], Any]]] = []
@@ -119,7 +71,7 @@ class Batch:
     def __len__(self) -> int:
         return len(self._handles)
 
-    def _add(self, calls: list[tuple[str, list[str], Args]], read: Callable[..., Any]) -> int:
+    def _add(self, calls: list[tuple[str, list[str], list[Any]]], read: Callable[..., Any]) -> int:
         first = len(self._calls)
         self._calls.extend(calls)
         self._handles.append((list(range(first, len(self._calls))), read))
@@ -147,39 +99,19 @@ class Batch:
         )
 
     def enqueue_many(
-        self,
-        k: QueueKeys,
-        jobs: Sequence[NewJob],
-        now_ms: int | None,
-        ttl_ms: int = 0,
-        prepare: Callable[[str | bytes], str | bytes] | None = None,
-        chunk: int = ENQUEUE_BATCH,
+        self, k: QueueKeys, jobs: Sequence[NewJob], now_ms: int | None, ttl_ms: int = 0
     ) -> int:
-        """Queue :meth:`Scripts.enqueue_many`; its result is one :class:`Outcome` per job.
-
-        One call per ``chunk`` jobs. ``prepare`` given, each job's payload is
-        what it returns for the job's message, made when the call is sent.
-        """
-        keys = enqueue_many_keys(k)
-        chunks = [jobs[i : i + chunk] for i in range(0, len(jobs), chunk)]
+        """Queue :meth:`Scripts.enqueue_many`; its result is one :class:`Outcome` per job."""
+        calls = enqueue_many_calls(k, jobs, now_ms, ttl_ms)
 
         def read(replies: list[Any]) -> list[Outcome]:
             return [
                 o
-                for reply, part in zip(replies, chunks, strict=True)
-                for o in enqueue_many_outcomes(reply, len(part))
+                for reply, (_keys, _args, n) in zip(replies, calls, strict=True)
+                for o in enqueue_many_outcomes(reply, n)
             ]
 
-        def call(part: Sequence[NewJob]) -> tuple[str, list[str], Args]:
-            if prepare is None:
-                return ("enqueue_many", keys, enqueue_many_args(part, now_ms, ttl_ms))
-            return (
-                "enqueue_many",
-                keys,
-                Deferred(lambda: enqueue_many_args(part, now_ms, ttl_ms, prepare)),
-            )
-
-        return self._add([call(part) for part in chunks], read)
+        return self._add([("enqueue_many", keys, args) for keys, args, _n in calls], read)
 
     def start(self, k: QueueKeys, job_id: str, token: str) -> int:
         """Queue :meth:`Scripts.start`; its result is an :class:`Outcome`."""
@@ -276,7 +208,7 @@ class Batch:
         """
         by_node: dict[str, list[int]] = {}
         nodes: dict[str, Any] = {}
-        for i, (_name, keys, _) in enumerate(self._calls):
+        for i, (_name, keys, _args) in enumerate(self._calls):
             node = client.get_node_from_key(keys[0])  # type: ignore[no-untyped-call]
             by_node.setdefault(node.name, []).append(i)
             nodes[node.name] = node
@@ -299,7 +231,7 @@ class Batch:
             if isinstance(reply, _MISSED):
                 name, keys, args = self._calls[i]
                 try:
-                    replies[i] = self._scripts.run(name, keys, _built(args))
+                    replies[i] = self._scripts.run(name, keys, args)
                 except RedisError as exc:
                     replies[i] = exc
                 if confirm is not None:
@@ -308,79 +240,27 @@ class Batch:
 
     def _send(
         self,
-        calls: list[tuple[str, list[str], Args]],
+        calls: list[tuple[str, list[str], list[Any]]],
         confirm: Callable[[Any], None] | None,
         load: bool,
         client: Any = None,
     ) -> list[Any]:
-        queued = _Queued()
-        if confirm is not None:
-            confirm(queued)
-        pool = (client or self._scripts.client).connection_pool
-        conn = pool.get_connection(*_COMMAND_NAME)
-        try:
-            # As redis-py's pipeline: sent again whole after a lost connection
-            # when the client retries (every batched call is safe to repeat).
-            replies: list[Any] = conn.retry.call_with_retry(
-                lambda: self._stream(conn, calls, queued.commands, load),
-                lambda _error: conn.disconnect(),
-            )
-        finally:
-            pool.release(conn)
+        scripts = self._scripts.registered
+        with (client or self._scripts.client).pipeline(transaction=False) as pipe:
+            for name, keys, args in calls:
+                if load:
+                    # EVAL runs the script's text, and caches it for the next EVALSHA.
+                    pipe.execute_command("EVAL", scripts[name].script, len(keys), *keys, *args)
+                else:
+                    pipe.execute_command("EVALSHA", scripts[name].sha, len(keys), *keys, *args)
+            if confirm is not None:
+                confirm(pipe)
+            replies: list[Any] = pipe.execute(raise_on_error=False)
         if confirm is not None:
             reply = replies.pop()
             # The writes of both round trips count: the fewer replicas that hold all.
             n = reply if isinstance(reply, int) else 0
             self.confirmed = n if self.confirmed is None else min(self.confirmed, n)
-        return replies
-
-    def _stream(
-        self,
-        conn: Any,
-        calls: list[tuple[str, list[str], Args]],
-        after: list[tuple[Any, ...]],
-        load: bool,
-    ) -> list[Any]:
-        """Write the calls and ``after``, then read every reply (errors as values).
-
-        The calls go out in one write, but for :class:`Deferred` ones: what is
-        queued is written before one is built, so the server runs it meanwhile.
-        """
-        scripts = self._scripts.registered
-        queued: list[tuple[Any, ...]] = []
-        commands = 0
-        writes = 0
-
-        def write() -> None:
-            nonlocal writes
-            if queued:
-                conn.send_packed_command(conn.pack_commands(queued), check_health=not writes)
-                queued.clear()
-                writes += 1
-
-        try:
-            for name, keys, args in calls:
-                if isinstance(args, Deferred):
-                    write()
-                if load:
-                    # EVAL runs the script's text, and caches it for the next EVALSHA.
-                    head: tuple[Any, ...] = ("EVAL", scripts[name].script)
-                else:
-                    head = ("EVALSHA", scripts[name].sha)
-                queued.append((*head, len(keys), *keys, *_built(args)))
-            queued.extend(after)
-            commands = len(calls) + len(after)
-            write()
-            replies: list[Any] = []
-            for _ in range(commands):
-                try:
-                    replies.append(conn.read_response())
-                except ResponseError as exc:
-                    replies.append(exc)
-        except BaseException:
-            # Replies may be left unread: the connection must not be reused.
-            conn.disconnect()
-            raise
         return replies
 
     def result(self, handle: int) -> Any:

@@ -9,7 +9,7 @@ here only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from celery_emq.errors import ScriptContractError
@@ -25,9 +25,7 @@ __all__ = [
     "ack_outcomes",
     "budget_arg",
     "enqueue_call",
-    "enqueue_many_args",
     "enqueue_many_calls",
-    "enqueue_many_keys",
     "enqueue_many_outcomes",
     "oldest_call",
     "outcome_of",
@@ -114,45 +112,27 @@ def enqueue_call(
     return keys, args
 
 
-def enqueue_many_keys(k: QueueKeys) -> list[str]:
-    """The KEYS of ``enqueue_many.lua``."""
-    return [k.pending, k.wake, k.seq, k.lanes, k.expires, k.base, k.delayed, k.etas]
-
-
-def enqueue_many_args(
-    jobs: Sequence[NewJob],
-    now_ms: int | None,
-    ttl_ms: int,
-    prepare: Callable[[str | bytes], str | bytes] | None = None,
-) -> list[Any]:
-    """The ARGV of one ``enqueue_many.lua`` call for ``jobs`` (``prepare`` makes each payload)."""
-    args: list[Any] = [time_arg(now_ms), ttl_ms]
-    for job in jobs:
-        args += (
-            job.id,
-            job.payload if prepare is None else prepare(job.payload),
-            job.priority,
-            budget_arg(job.max_stalled),
-            job.group,
-            "" if job.eta_ms is None else job.eta_ms,
-            job.task_id,
-        )
-    return args
-
-
 def enqueue_many_calls(
     k: QueueKeys, jobs: Sequence[NewJob], now_ms: int | None, ttl_ms: int
 ) -> list[tuple[list[str], list[Any], int]]:
     """The KEYS, ARGV and job count of each ``enqueue_many.lua`` call for ``jobs``."""
-    keys = enqueue_many_keys(k)
-    return [
-        (
-            keys,
-            enqueue_many_args(jobs[i : i + ENQUEUE_BATCH], now_ms, ttl_ms),
-            len(jobs[i : i + ENQUEUE_BATCH]),
-        )
-        for i in range(0, len(jobs), ENQUEUE_BATCH)
-    ]
+    keys = [k.pending, k.wake, k.seq, k.lanes, k.expires, k.base, k.delayed, k.etas]
+    calls = []
+    for start in range(0, len(jobs), ENQUEUE_BATCH):
+        chunk = jobs[start : start + ENQUEUE_BATCH]
+        args: list[Any] = [time_arg(now_ms), ttl_ms]
+        for job in chunk:
+            args += (
+                job.id,
+                job.payload,
+                job.priority,
+                budget_arg(job.max_stalled),
+                job.group,
+                "" if job.eta_ms is None else job.eta_ms,
+                job.task_id,
+            )
+        calls.append((keys, args, len(chunk)))
+    return calls
 
 
 def enqueue_many_outcomes(reply: Any, expected: int) -> list[Outcome]:

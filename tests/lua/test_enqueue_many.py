@@ -138,7 +138,6 @@ def test_one_call_past_the_scripts_own_chunks_stores_what_single_enqueues_store(
     # One script call of more jobs than it writes in one MSET or ZADD (500):
     # each of its chunks lands, in the default queue and in a lane alike.
     monkeypatch.setattr("celery_emq.store.calls.ENQUEUE_BATCH", 5000)
-    monkeypatch.setattr("celery_emq.store.jobstore.SEND_CHUNK", 5000)
     jobs = [
         NewJob(f"j{i}", b'{"i": %d}' % i, priority=i % 3, group="g" if i % 4 == 0 else "")
         for i in range(1201)
