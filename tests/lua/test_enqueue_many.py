@@ -130,3 +130,23 @@ def test_enqueue_many_writes_no_expires_key_without_a_ttl(
 ) -> None:
     store.enqueue_many("q", [NewJob("a", b"{}", max_stalled=UNSET)], now_ms=1)
     assert not client.exists(store.keys("q").expires)
+
+
+def test_one_call_past_the_scripts_own_chunks_stores_what_single_enqueues_store(
+    store: JobStore, client: redis.Redis, monkeypatch: Any
+) -> None:
+    # One script call of more jobs than it writes in one MSET or ZADD (500):
+    # each of its chunks lands, in the default queue and in a lane alike.
+    monkeypatch.setattr("celery_emq.store.calls.ENQUEUE_BATCH", 5000)
+    jobs = [
+        NewJob(f"j{i}", b'{"i": %d}' % i, priority=i % 3, group="g" if i % 4 == 0 else "")
+        for i in range(1201)
+    ]
+    for job in jobs:
+        store.enqueue("one", job.id, job.payload, job.priority, now_ms=1000, group=job.group)
+    assert store.enqueue_many("many", jobs, now_ms=1000) == [Outcome.OK] * len(jobs)
+    one, many = state(client, store, "one"), state(client, store, "many")
+    assert one == many
+    assert len(many["wake"]) == len(jobs)
+    assert len(many["pending"]) == 900
+    assert len(many["g:g:pending"]) == 301

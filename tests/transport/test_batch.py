@@ -226,7 +226,11 @@ def test_one_script_call_per_queue_and_one_wake_push_per_flush(
     calls = commands(client)
     assert calls.get("evalsha", 0) + calls.get("eval", 0) == 2
     assert calls["lpush"] == 2
-    assert calls["set"] == 60 + 2  # a message each, and each queue's sequence
+    # Per queue: one MSET of its messages, one ZADD into its queue, one SET of its sequence.
+    assert calls["mset"] == 2
+    assert calls["zadd"] == 2
+    assert calls["set"] == 2
+    assert calls["hset"] == 60  # a row each
     assert client.llen(conn.default_channel.store.keys("q1").wake) == 31
 
 

@@ -17,7 +17,10 @@
   One call does the work of as many enqueue.lua calls, in their order: the same row,
   message, lane and FIFO sequence per job. The tail sequence is read and written
   once, and one LPUSH carries the wake markers (still one per claimable job, so as
-  many waiting consumers wake as before).
+  many waiting consumers wake as before). Per job only EXISTS and the row's HSET
+  are commands of their own: the messages go in one MSET and each lane's members
+  in one ZADD (per CHUNK jobs), sent once every job is read, which leaves the same
+  keys as a SET and a ZADD per job (a script runs whole, nothing sees between).
 ]]
 local pending, wake, seq, lanes = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local expires, base, delayed, etas = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
@@ -32,6 +35,22 @@ end
 local BAND = 1099511627776
 -- Wake markers pushed per LPUSH (bounds the arguments unpacked at once).
 local MARKERS = 1000
+-- Jobs per MSET of messages and per ZADD of a lane (2 arguments a job).
+local CHUNK = 500
+
+-- Arguments of MSET (key, message) and of each lane's ZADD (score, id).
+local messages = {}
+local members = {}
+local lane_order = {}
+local function send(command, key, args)
+  for i = 1, #args, 2 * CHUNK do
+    if key then
+      redis.call(command, key, unpack(args, i, math.min(i + 2 * CHUNK - 1, #args)))
+    else
+      redis.call(command, unpack(args, i, math.min(i + 2 * CHUNK - 1, #args)))
+    end
+  end
+end
 
 local n = tonumber(redis.call('GET', seq) or '0')
 local first_n = n
@@ -45,7 +64,7 @@ for i = 3, #ARGV, 7 do
   if redis.call('EXISTS', job) == 1 then
     codes[#codes + 1] = 3
   else
-    redis.call('SET', base .. 'msg:' .. id, message)
+    messages[#messages + 1], messages[#messages + 2] = base .. 'msg:' .. id, message
     local row = {'state', 'pending', 'enqueued_ms', now_ms}
     if priority ~= 0 then
       row[#row + 1], row[#row + 2] = 'priority', priority
@@ -77,10 +96,21 @@ for i = 3, #ARGV, 7 do
           redis.call('ZADD', lanes, 0, group)
         end
       end
-      redis.call('ZADD', lane, priority * BAND + n, id)
+      local these = members[lane]
+      if not these then
+        these = {}
+        members[lane] = these
+        lane_order[#lane_order + 1] = lane
+      end
+      these[#these + 1], these[#these + 2] = priority * BAND + n, id
     end
     codes[#codes + 1] = 0
   end
+end
+
+send('MSET', nil, messages)
+for _, lane in ipairs(lane_order) do
+  send('ZADD', lane, members[lane])
 end
 
 local claimable = n - first_n
