@@ -17,7 +17,7 @@ from celery_emq.errors import ReplicasUnconfirmedError
 from celery_emq.store.base import METRICS, PURGE_BATCH
 from celery_emq.store.batch import Batch
 from celery_emq.store.codec import pack
-from celery_emq.store.outcomes import UNSET, Claimed, NewJob, Outcome, Swept, Unset
+from celery_emq.store.outcomes import UNSET, Claimed, NewJob, Outcome, Scan, Swept, Unset
 from celery_emq.store.reads import ACTIVE_PAGE, LANE_PAGE, OLDEST_LANE_PAGE, Reads
 from celery_emq.store.registry import Registry
 
@@ -312,13 +312,22 @@ class JobStore(Reads, Registry):
                 return total
 
     def waiting(self, queues: Sequence[str]) -> list[str]:
-        """Promote due delayed jobs; return those of ``queues`` that have jobs to claim.
+        """Promote due delayed jobs; return those of ``queues`` that have jobs to claim."""
+        return self.scan(queues).waiting
+
+    def scan(self, queues: Sequence[str]) -> Scan:
+        """Promote due delayed jobs; say which of ``queues`` have jobs to claim, and
+        when the earliest job still delayed in them is due.
 
         One script call per queue (its keys share a slot), in one round trip.
         """
         if not queues:
-            return []
+            return Scan([], None)
         batch = self.scripts.batch()
         handles = [batch.promote(self.keys(q), PROMOTE_BATCH) for q in queues]
         batch.execute()
-        return [q for q, h in zip(queues, handles, strict=True) if batch.result(h)[1]]
+        results = [batch.result(h) for h in handles]
+        due = [r[2] for r in results if r[2] >= 0]
+        return Scan(
+            [q for q, r in zip(queues, results, strict=True) if r[1]], min(due) if due else None
+        )
