@@ -289,3 +289,27 @@ def test_an_rpc_result_is_not_read_back(monkeypatch: pytest.MonkeyPatch) -> None
     )
     assert CeleryFollowUp(rpc).succeeded(JobInfo(id="j", queue="celery", task_id="t")) is False
     assert read == []
+
+
+def test_a_pass_over_an_idle_queue_is_one_script_call_and_promotes_due_jobs(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An idle worker sweeps every few seconds: one call per queue, nothing beside it.
+    calls: list[str] = []
+    run = type(store.scripts).run
+
+    def counted(self: Any, name: str, keys: Any, args: Any) -> Any:
+        calls.append(name)
+        return run(self, name, keys, args)
+
+    monkeypatch.setattr(type(store.scripts), "run", counted)
+    sweeper = Sweeper(store, EmqOptions())
+    sweeper.sweep("celery")
+    assert calls == ["sweep"]
+    now = store.server_ms()
+    store.enqueue("celery", "due", b"{}", eta_ms=now + 50)
+    store.enqueue("celery", "later", b"{}", eta_ms=now + 600_000)
+    calls.clear()
+    sweeper.sweep("celery", now_ms=now + 100)
+    assert calls == ["sweep"]
+    assert store.counts("celery") == {"pending": 1, "active": 0, "delayed": 1, "dead": 0}

@@ -84,6 +84,10 @@ class StoreChannel(ChannelCompat, kombu_redis.Channel):
         self._noted_expiring_at: dict[str, float] = {}
         self._budgets: dict[str, int | Unset | None] = {}
         self._scanned_at = monotonic()
+        #: The soon keys the consumer's wait blocks on (as BRPOP may name them).
+        self._soon_keys: set[str] = set()
+        #: When (monotonic) the consumer looks at its queues next: its wait ends then.
+        self._next_scan_at = 0.0
         super().__init__(connection, *args, **kwargs)
         # Inside a Celery worker, before it binds its message handlers: see
         # what its handling of lost processes and refused messages decides.
