@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
@@ -313,3 +314,32 @@ def test_a_pass_over_an_idle_queue_is_one_script_call_and_promotes_due_jobs(
     sweeper.sweep("celery", now_ms=now + 100)
     assert calls == ["sweep"]
     assert store.counts("celery") == {"pending": 1, "active": 0, "delayed": 1, "dead": 0}
+
+
+def test_the_expiry_pass_runs_only_when_the_sweep_saw_expiring_queues(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On one server the sweep script reads the x-expires registry's size: an
+    # idle worker with no such queue sends nothing beside its sweep.
+    if not store.one_server:
+        pytest.skip("on a Cluster the expiry pass runs every time")
+    expired: list[int] = []
+    expire = Sweeper.expire
+
+    def counted(self: Sweeper) -> dict[str, int]:
+        expired.append(1)
+        return expire(self)
+
+    monkeypatch.setattr(Sweeper, "expire", counted)
+    sweeps = SweepThread()
+    sweeps.watch(Sweeper(store, EmqOptions(sweep_interval_s=3600)), "celery")
+    sweeps.run_once()
+    time.sleep(0.3)  # a pass would have started on its lane by now
+    assert expired == []
+    store.note_expiring("reply-q")
+    sweeps.run_once()
+    for _ in range(50):
+        if expired:
+            break
+        time.sleep(0.05)
+    assert expired == [1]

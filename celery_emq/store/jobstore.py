@@ -232,6 +232,7 @@ class JobStore(Reads, Registry):
         max_lapsed: int | None = None,
         dead_max_age_ms: int = 0,
         dead_max_size: int = 0,
+        registry: bool = False,
     ) -> list[Swept]:
         """Examine up to ``limit`` lapsed claims: count a stall on each that started.
 
@@ -244,6 +245,10 @@ class JobStore(Reads, Registry):
         ``None`` never dead-letters. Then up to ``limit`` dead jobs past the
         morgue's retention (``dead_max_age_ms``, ``dead_max_size``; 0 disables
         a bound) are deleted, each reported with the outcome ``trimmed``.
+        Due delayed jobs are promoted first (outcome ``promoted``). With
+        ``registry``, on one server, the pass ends with ``Swept("", "expiring",
+        n)`` when ``n`` > 0 ``x-expires`` queues are registered (the expiry pass
+        has work); on a Cluster the registry lies on another slot and is not read.
         """
         return self.scripts.sweep(
             self.keys(queue),
@@ -255,6 +260,7 @@ class JobStore(Reads, Registry):
             max_lapsed=max_lapsed,
             dead_max_age_ms=dead_max_age_ms,
             dead_max_size=dead_max_size,
+            expiring=self.expiring_key if registry and self.one_server else "",
         )
 
     def charge(

@@ -72,6 +72,9 @@ class Sweeper:
         self.store = store
         self.options = options
         self.follow_up = follow_up if follow_up is not None else registered_follow_up()
+        #: Whether the last pass saw ``x-expires`` queues registered (always so
+        #: on a Cluster, where the sweep cannot read the registry).
+        self.expiring = not store.one_server
 
     def sweep(self, queue: str, now_ms: int | None = None) -> SweepReport:
         """Count a stall on every lapsed job of ``queue``; recover or dead-letter each.
@@ -92,7 +95,13 @@ class Sweeper:
                 max_lapsed=self.options.max_lapsed,
                 dead_max_age_ms=self.options.dead_max_age_s * 1000,
                 dead_max_size=self.options.dead_max_size,
+                registry=True,
             )
+            if swept and swept[-1].outcome == "expiring":
+                self.expiring = True
+                swept.pop()
+            elif self.store.one_server:
+                self.expiring = False
             self._after(queue, swept, report, "lease_expired")
             if len(swept) < self.options.sweep_batch:
                 break

@@ -349,3 +349,15 @@ def test_a_sweep_pass_promotes_at_most_its_limit(store: JobStore) -> None:
     swept = store.sweep("q", 1, limit=3, now_ms=9000)
     assert [s.id for s in swept] == ["d0", "d1", "d2"]
     assert store.counts("q")["delayed"] == 2
+
+
+def test_a_sweep_given_the_registry_says_when_x_expires_queues_are_registered(
+    store: JobStore,
+) -> None:
+    if not store.one_server:
+        pytest.skip("on a Cluster the registry lies on another slot: the sweep does not read it")
+    assert store.sweep("q", 1, now_ms=1000, registry=True) == []
+    store.note_expiring("reply-q")
+    assert store.sweep("q", 1, now_ms=2000, registry=True) == [Swept("", "expiring", 1, b"")]
+    # Not asked, not read.
+    assert store.sweep("q", 1, now_ms=3000) == []

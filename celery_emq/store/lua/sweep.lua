@@ -7,6 +7,8 @@
   KEYS[6] lanes     <p>:{q}:lanes (ZSET of groups with a lane)
   KEYS[7] base      <p>:{q}: (job rows, lane keys, metrics:<name>, delayed, etas and
                     seq derive from it)
+  KEYS[8] expiring  <p>:expiring (SET, the x-expires registry; optional, given on one
+                    server, where it shares the queue's node)
   ARGV[1] now_ms      '' takes the Redis server's clock
   ARGV[2] limit       most jobs examined by this call (1..1000)
   ARGV[3] max_stalled stalls forgiven when the row names no budget; -1 never dead-letters
@@ -27,6 +29,9 @@
   `limit` due delayed jobs to the tail of their queue or lane, as promote.lua does
   (outcome promoted, stalled 0): the sweep is a queue's one periodic script, the net
   behind the consumers, whose waits end when the earliest delayed job they know of is due.
+  Registry: given `expiring`, a pass that examines lapsed claims ends with the entry
+  '', expiring, SCARD, false when the x-expires registry holds any queue, so the
+  caller runs the expiry pass only then (an idle worker sends nothing beside this call).
   Retention: a pass that examines lapsed claims (not a charge) then deletes up to `limit`
   dead jobs past the morgue's age or size bounds, oldest deaths first (outcome trimmed,
   stalled 0): every sweep applies it, whether or not a job died since the last. Such a pass
@@ -51,7 +56,7 @@
   stalled > max_stalled dead-letters. A batch keeps its order at the front.
 ]]
 local active, pending, wake, head, dead = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local lanes, base = KEYS[6], KEYS[7]
+local lanes, base, registry = KEYS[6], KEYS[7], KEYS[8]
 local limit = tonumber(ARGV[2])
 local default_budget, reason = tonumber(ARGV[3]), ARGV[4]
 local lease_ms, max_lapsed = tonumber(ARGV[5]), tonumber(ARGV[6])
@@ -283,5 +288,14 @@ local seq, cursor = base .. 'seq', base .. 'cursor'
 if not charge and redis.call('EXISTS', wake, head, seq, cursor) > 0
     and redis.call('ZCARD', pending) == 0 and redis.call('EXISTS', lanes) == 0 then
   redis.call('DEL', wake, head, seq, cursor)
+end
+if not charge and registry then
+  local registered = redis.call('SCARD', registry)
+  if registered > 0 then
+    out[#out + 1] = ''
+    out[#out + 1] = 'expiring'
+    out[#out + 1] = registered
+    out[#out + 1] = false
+  end
 end
 return out
