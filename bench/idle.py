@@ -86,6 +86,8 @@ class Monitor(threading.Thread):
         while True:
             try:
                 event: dict[str, Any] | None = self._monitor.next_command()
+            except redis.TimeoutError:
+                continue  # a quiet spell (an idle worker may send nothing for seconds)
             except (redis.ConnectionError, OSError):
                 return  # closed
             except (AttributeError, ValueError) as exc:
@@ -110,7 +112,8 @@ def idle(scheme: str, args: argparse.Namespace) -> Idle:
     client = redis.Redis.from_url(env["BENCH_RECORD"], single_connection_client=True)
     own = {client.client_info()["addr"]}
     result = Idle(args.seconds)
-    monitor = Monitor(redis.Redis.from_url(env["BENCH_RECORD"]), own)
+    # No socket timeout: an idle worker may send nothing for longer than redis-py's default.
+    monitor = Monitor(redis.Redis.from_url(env["BENCH_RECORD"], socket_timeout=None), own)
     monitor.start()
     try:
         with bench_worker(env, 2, "--without-heartbeat"):

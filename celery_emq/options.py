@@ -123,7 +123,7 @@ class EmqOptions:
     max_lapsed: int | None = 8
     sweep_interval_s: float = 5.0
     sweep_batch: int = 500
-    idle_wait_s: float = 10.0
+    idle_wait_s: float = 8.0
     dead_max_size: int = 10_000
     dead_max_age_s: int = 7 * 86_400
     settle_delay_ms: int = 5

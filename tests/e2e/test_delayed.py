@@ -108,7 +108,7 @@ def test_a_task_due_before_any_other_starts_on_time_though_the_worker_waits_long
     start_worker: Callable[..., Worker], capp: Any, client: redis.Redis, prefix: str
 ) -> None:
     # An idle worker's wait lasts until the earliest delayed job it knows of is
-    # due, or idle_wait_s (10 s): a job published during that wait, due sooner
+    # due, or idle_wait_s (8 s): a job published during that wait, due sooner
     # than any before, must wake it (the sweep, 9 s apart here, is not what runs it).
     start_worker("-c", "1", "-P", "prefork", EMQ_E2E_SWEEP_S="9")
     store = JobStore(client, prefix + "emq", 30000)
