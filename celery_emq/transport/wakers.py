@@ -165,7 +165,13 @@ class Waker(threading.Thread):
                 failures = 0
 
     def _timed_out(self) -> None:
-        """The wait ended with its timeout: the loop's scan is due (armed again after it)."""
+        """The wait ended with its timeout: the loop's scan is due (armed again after it).
+
+        Unless the loop scanned meanwhile (another slot's waker timed out
+        first): then this one waits again, until the next scan is due.
+        """
+        if monotonic() < self._channel._next_scan_at:
+            return
         with self._channel._wake_lock:
             if self.armed.is_set() and not self.stopped:
                 self.armed.clear()
