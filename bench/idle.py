@@ -14,6 +14,10 @@ work; a private ``redis-server`` is best), or the figures include the other
 clients.
 
     python bench/idle.py --port 6390 --seconds 20
+
+Through Sentinel: ``--port`` names the master (where the commands are counted),
+``--emq-url``/``--stock-url`` the broker URLs listing the sentinels, and
+``--options '{"master_name": "m"}'`` what both need.
 """
 
 from __future__ import annotations
@@ -109,6 +113,10 @@ class Monitor(threading.Thread):
 
 def idle(scheme: str, args: argparse.Namespace) -> Idle:
     env = round_env(scheme, args.host, args.port, args.db)
+    url = {"emq": args.emq_url, "redis": args.stock_url}.get(scheme)
+    if url:
+        env["BENCH_BROKER"] = url
+    env["BENCH_BROKER_OPTIONS"] = args.options
     client = redis.Redis.from_url(env["BENCH_RECORD"], single_connection_client=True)
     own = {client.client_info()["addr"]}
     result = Idle(args.seconds)
@@ -168,6 +176,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20)
     ap.add_argument("--settle", type=float, default=6)
     ap.add_argument("--schemes", default="redis,emq", help="transports, comma-separated")
+    ap.add_argument("--emq-url", help="the emq:// broker URL (default: emq:// on --host/--port)")
+    ap.add_argument("--stock-url", help="the stock broker URL (default: redis:// on --host/--port)")
+    ap.add_argument("--options", default="{}", help="more broker transport options (JSON)")
     add_redis_options(ap)
     args = ap.parse_args()
     report({scheme: idle(scheme, args) for scheme in args.schemes.split(",")})

@@ -40,6 +40,9 @@ __all__ = ["Consuming"]
 
 logger = logging.getLogger(__name__)
 
+#: How long a nudge no wait popped stays (see :meth:`Consuming._nudge`).
+NUDGE_TTL_MS = 60_000
+
 
 class Consuming(StoreChannel):
     """The channel's consuming half: the wait, the claims, the decoding of each."""
@@ -52,6 +55,9 @@ class Consuming(StoreChannel):
         # the content the consumer will decode (Celery's accept_content).
         self._accept[queue] = getattr(getattr(callback, "__self__", None), "accept", None)
         ret = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+        if queue not in self._fanout_queues and self._in_poll:
+            # The wait in flight names only the queues consumed when it began.
+            self._nudge()
         if not no_ack and queue not in self._fanout_queues:
             # Inside a worker, once it is ready, settles wait this long for company.
             batcher().delay_ms = self.emq.settle_delay_ms
@@ -97,8 +103,8 @@ class Consuming(StoreChannel):
             self._wait_out_suspect(queues[0], hold_s, timeout)
             return
         wake_keys = [self.store.keys(q).wake for q in queues]
-        soon_keys = [self.store.keys(q).soon for q in queues]
-        for q, key, soon in zip(queues, wake_keys, soon_keys, strict=True):
+        soon_keys = [self.store.keys(q).soon for q in queues] + [self._nudge_key]
+        for q, key, soon in zip(queues, wake_keys, soon_keys[:-1], strict=True):
             self._wake_queues[key] = q
             self._soon_keys.add(soon)
             if self.global_keyprefix and key.startswith(self.global_keyprefix):
@@ -110,6 +116,27 @@ class Consuming(StoreChannel):
         self.client.connection.send_command(
             "BRPOP", *wake_keys, *soon_keys, f"{self._wait_timeout_s():.3f}"
         )
+
+    @property
+    def _nudge_key(self) -> str:
+        """This channel's own list: a push to it cuts its wait in flight short."""
+        key = f"{self.store.prefix}:nudge:{self._nudge_id}"
+        self._soon_keys.add(key)
+        if self.global_keyprefix and key.startswith(self.global_keyprefix):
+            self._soon_keys.add(key[len(self.global_keyprefix) :])
+        return key
+
+    def _nudge(self) -> None:
+        """End the wait in flight now: the next one names the queues consumed now.
+
+        The scan that follows looks at every queue at once (a message may
+        already wait in the one just consumed).
+        """
+        self._next_scan_at = 0.0
+        pipe = self.store.client.pipeline(transaction=False)
+        # A nudge no wait pops (the channel closed meanwhile) does not stay.
+        pipe.lpush(self._nudge_key, 1).pexpire(self._nudge_key, NUDGE_TTL_MS)
+        pipe.execute()
 
     def _wait_timeout_s(self) -> float:
         """How long the next wait may block: until the next scan is due, within bounds.

@@ -294,6 +294,11 @@ class WakingChannel(Channel):
             self._in_poll = None
         return result
 
+    def _nudge(self) -> None:
+        """Wake the loop: it scans the queue just consumed; its next wait arms its waker."""
+        self._next_scan_at = 0.0
+        self._signal()
+
     def _woke(self, queue: str) -> None:
         """A waker popped ``queue``'s marker (called from its thread)."""
         self._popped.append(queue)
