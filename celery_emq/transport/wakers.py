@@ -113,6 +113,10 @@ class Waker(threading.Thread):
         super().__init__(name=f"emq-waker-{next(iter(queues.values()))}", daemon=True)
         #: wake (and soon) key -> queue
         self.queues = queues
+        #: A list of this waker's slot only it waits on: a push ends its wait (see stop).
+        self.nudge_key = channel.store.keys(next(iter(queues.values()))).base + (
+            f"nudge:{channel._nudge_id}"
+        )
         self._channel = channel
         self._timeout_s = timeout_s
         self.armed = threading.Event()
@@ -135,7 +139,7 @@ class Waker(threading.Thread):
                 self._channel._signal()
 
     def _wait(self) -> None:
-        keys = list(self.queues)
+        keys = [*self.queues, self.nudge_key]
         failures = 0
         while not self.stopped:
             if not self.armed.wait(self._timeout_s):
@@ -147,6 +151,8 @@ class Waker(threading.Thread):
                 reply = client.brpop(keys, timeout=round(self._channel._wait_timeout_s(), 3))
                 if reply is None:
                     self._timed_out()
+                elif bytes_to_str(reply[0]) == self.nudge_key:
+                    continue  # stopped (or a nudge meant for an earlier wait)
                 elif bytes_to_str(reply[0]) in self._channel._soon_keys:
                     self._report_soon(bytes_to_str(reply[0]))
                 else:
@@ -294,6 +300,19 @@ class WakingChannel(Channel):
             self._in_poll = None
         return result
 
+    def _end_waits(self, wakers: list[Waker]) -> None:
+        """End the stopped wakers' waits now (an idle wait lasts seconds)."""
+        try:
+            client = self._wake_redis()
+            for waker in wakers:
+                if waker.is_alive():
+                    pipe = client.pipeline(transaction=False)
+                    pipe.lpush(waker.nudge_key, 1).pexpire(waker.nudge_key, 60_000)
+                    pipe.execute()
+        except Exception:
+            # Each waker still ends within its wait.
+            logger.debug("celery_emq: could not end the wakers' waits early", exc_info=True)
+
     def _nudge(self) -> None:
         """Wake the loop: it scans the queue just consumed; its next wait arms its waker."""
         self._next_scan_at = 0.0
@@ -354,6 +373,7 @@ class WakingChannel(Channel):
             self._wakers.clear()
             for waker in wakers:
                 waker.stop()
+        self._end_waits(wakers)
         deadline = monotonic() + self._wait_s + 1
         for waker in wakers:
             waker.join(max(0.0, deadline - monotonic()))
