@@ -5,6 +5,8 @@ Environment (set by the harness for each round):
 - ``BENCH_BROKER``: the broker URL (``redis://`` or ``emq://``).
 - ``BENCH_RECORD``: a plain Redis URL the tasks record what they saw into.
 - ``BENCH_PREFIX``: the round's key prefix (kombu's ``global_keyprefix`` too).
+- ``BENCH_BROKER_OPTIONS``: more broker transport options, a JSON object (e.g.
+  ``{"master_name": "m"}`` for a Sentinel URL).
 - ``BENCH_ACKS_LATE``: ``1`` for ``task_acks_late``.
 - ``BENCH_PREFETCH``: the worker's prefetch multiplier (default 4).
 - ``BENCH_ROUNDTRIPS_URL`` and ``BENCH_ROUNDTRIPS_KEY``: when both are set, this
@@ -39,7 +41,10 @@ if RT_URL and RT_KEY:
 
 app = Celery("bench", broker=BROKER)
 app.conf.update(
-    broker_transport_options={"global_keyprefix": PREFIX},
+    broker_transport_options={
+        **json.loads(os.environ.get("BENCH_BROKER_OPTIONS") or "{}"),
+        "global_keyprefix": PREFIX,
+    },
     task_acks_late=os.environ.get("BENCH_ACKS_LATE", "0") == "1",
     worker_prefetch_multiplier=int(os.environ.get("BENCH_PREFETCH", "4")),
     task_ignore_result=True,

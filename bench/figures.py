@@ -32,6 +32,7 @@ from bench._common import (
     scan_delete,
     tree_rss_bytes,
 )
+from bench.monitor import Monitor
 from celery_emq.store.jobstore import JobStore
 from celery_emq.store.status import queue_status
 
@@ -330,20 +331,38 @@ def idle_round(
 ) -> Round:
     """Redis commands a second from one idle prefork ``-c 2`` worker.
 
-    Counts every command the server processes over ``seconds`` once the worker
-    has settled, less this function's own ``INFO``: on a Redis that others use
-    the figure counts their commands too.
+    Counts, over ``seconds`` once the worker has settled, the commands clients
+    send (``MONITOR``, a script call counted once, this function's own left
+    out): ``idle_commands_per_s``; and every command the server processes
+    (``INFO``, scripts' inner commands too): ``idle_processed_per_s``. On a
+    Redis that others use the figures count their commands too.
     """
     env = target.env(scheme)
     with round_keys(env) as client, bench_worker(env, 2, "--without-heartbeat"):
         worker_ready(env, client, timeout_s)
         time.sleep(settle_s)
-        t0 = time.monotonic()
-        before = int(client.info("stats")["total_commands_processed"])
-        time.sleep(seconds)
-        after = int(client.info("stats")["total_commands_processed"])
-        elapsed = time.monotonic() - t0
-    return {"idle_commands_per_s": (after - before - 1) / elapsed}
+        own = redis.Redis.from_url(env["BENCH_RECORD"], single_connection_client=True)
+        # No socket timeout: an idle worker may send nothing for longer than redis-py's default.
+        monitor = Monitor(
+            redis.Redis.from_url(env["BENCH_RECORD"], socket_timeout=None),
+            {own.client_info()["addr"]},
+        )
+        monitor.start()
+        try:
+            t0 = time.monotonic()
+            before = int(own.info("stats")["total_commands_processed"])
+            monitor.counting = True
+            time.sleep(seconds)
+            monitor.counting = False
+            after = int(own.info("stats")["total_commands_processed"])
+            elapsed = time.monotonic() - t0
+        finally:
+            monitor.close()
+            own.close()
+    return {
+        "idle_commands_per_s": sum(monitor.sent.values()) / elapsed,
+        "idle_processed_per_s": (after - before - 1) / elapsed,
+    }
 
 
 def _steady_rss(pid: int, settle_s: float, timeout_s: float) -> int:

@@ -563,7 +563,7 @@ def table_rows(
         rows.append(
             row(
                 "idle_commands_per_s",
-                "Redis commands a second, idle prefork -c 2 worker",
+                "Redis commands a second (a script once), idle prefork -c 2",
                 "/s",
                 "lower",
                 "idle",

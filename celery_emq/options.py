@@ -88,6 +88,12 @@ class EmqOptions:
         sweep_interval_s: How often each consuming worker sweeps its queues;
             defaults to a third of ``lease_ms`` and at most 5 s.
         sweep_batch: Most lapsed jobs one sweep script call examines.
+        idle_wait_s: Longest an idle consumer's blocking wait lasts before it
+            looks at its queues again (a wake marker lost with a consumer killed
+            between its wait and its claim strands a job at most this long). A
+            wait ends sooner when the earliest delayed job it knows of is due,
+            and stays under kombu's ``socket_timeout`` and within its BRPOP
+            health check (``health_check_interval``).
         dead_max_size: Most dead jobs a queue's morgue keeps (0: no bound).
         dead_max_age_s: How long a dead job is kept (0: forever).
         settle_delay_ms: How long, inside a running worker, an ack (or a start
@@ -117,6 +123,7 @@ class EmqOptions:
     max_lapsed: int | None = 8
     sweep_interval_s: float = 5.0
     sweep_batch: int = 500
+    idle_wait_s: float = 8.0
     dead_max_size: int = 10_000
     dead_max_age_s: int = 7 * 86_400
     settle_delay_ms: int = 5
@@ -181,6 +188,13 @@ class EmqOptions:
                 interval,
                 lease_ms,
             )
+        idle_wait_s = topts.get("idle_wait_s", cls.idle_wait_s)
+        if (
+            isinstance(idle_wait_s, bool)
+            or not isinstance(idle_wait_s, int | float)
+            or not 0.1 <= idle_wait_s <= 3600
+        ):
+            raise InvalidOptionError("idle_wait_s", idle_wait_s, "a number from 0.1 to 3600")
         return cls(
             lease_ms=lease_ms,
             renew_interval_ms=renew_interval_ms,
@@ -190,6 +204,7 @@ class EmqOptions:
             max_lapsed=max_lapsed,
             sweep_interval_s=float(interval),
             sweep_batch=_int(topts, "sweep_batch", cls.sweep_batch, 1, 1000),
+            idle_wait_s=float(idle_wait_s),
             dead_max_size=_int(topts, "dead_max_size", cls.dead_max_size, 0, 100_000_000),
             dead_max_age_s=_int(topts, "dead_max_age_s", cls.dead_max_age_s, 0, 10 * 365 * 86_400),
             settle_delay_ms=_int(

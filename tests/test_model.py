@@ -639,8 +639,14 @@ class JobStoreModel(RuleBasedStateMachine):
         if self.swept_at is not None and self.now - self.swept_at > LEASE_MS / 2:
             self.outage = (self.swept_at, self.now)
         self.swept_at = self.now
+        # Due delayed jobs are promoted first, up to the limit, as promote does.
+        due = sorted(
+            (j for j in self._in("delayed") if j.eta <= self.now), key=lambda j: (j.eta, j.id)
+        )[:limit]
+        self._promote(due)
         batch = self._lapsed(limit)
-        expected, front = [], []
+        expected: list[Swept] = [Swept(j.id, "promoted", 0, b"") for j in due]
+        front: list[Job | None] = []
         for job in batch:
             if (
                 not job.completed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
@@ -289,3 +290,56 @@ def test_an_rpc_result_is_not_read_back(monkeypatch: pytest.MonkeyPatch) -> None
     )
     assert CeleryFollowUp(rpc).succeeded(JobInfo(id="j", queue="celery", task_id="t")) is False
     assert read == []
+
+
+def test_a_pass_over_an_idle_queue_is_one_script_call_and_promotes_due_jobs(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An idle worker sweeps every few seconds: one call per queue, nothing beside it.
+    calls: list[str] = []
+    run = type(store.scripts).run
+
+    def counted(self: Any, name: str, keys: Any, args: Any) -> Any:
+        calls.append(name)
+        return run(self, name, keys, args)
+
+    monkeypatch.setattr(type(store.scripts), "run", counted)
+    sweeper = Sweeper(store, EmqOptions())
+    sweeper.sweep("celery")
+    assert calls == ["sweep"]
+    now = store.server_ms()
+    store.enqueue("celery", "due", b"{}", eta_ms=now + 50)
+    store.enqueue("celery", "later", b"{}", eta_ms=now + 600_000)
+    calls.clear()
+    sweeper.sweep("celery", now_ms=now + 100)
+    assert calls == ["sweep"]
+    assert store.counts("celery") == {"pending": 1, "active": 0, "delayed": 1, "dead": 0}
+
+
+def test_the_expiry_pass_runs_only_when_the_sweep_saw_expiring_queues(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On one server the sweep script reads the x-expires registry's size: an
+    # idle worker with no such queue sends nothing beside its sweep.
+    if not store.one_server:
+        pytest.skip("on a Cluster the expiry pass runs every time")
+    expired: list[int] = []
+    expire = Sweeper.expire
+
+    def counted(self: Sweeper) -> dict[str, int]:
+        expired.append(1)
+        return expire(self)
+
+    monkeypatch.setattr(Sweeper, "expire", counted)
+    sweeps = SweepThread()
+    sweeps.watch(Sweeper(store, EmqOptions(sweep_interval_s=3600)), "celery")
+    sweeps.run_once()
+    time.sleep(0.3)  # a pass would have started on its lane by now
+    assert expired == []
+    store.note_expiring("reply-q")
+    sweeps.run_once()
+    for _ in range(50):
+        if expired:
+            break
+        time.sleep(0.05)
+    assert expired == [1]

@@ -71,6 +71,12 @@ class StoreBase:
             return f"{kwargs['host']}:{kwargs.get('port', 6379)}"
         return str(getattr(pool, "service_name", None) or kwargs.get("path") or "redis")
 
+    @property
+    def one_server(self) -> bool:
+        """Whether every key lies on one server (not a Cluster): a script may then
+        name keys of any slot."""
+        return not hasattr(self.client, "get_node_from_key")
+
     def server_ms(self) -> int:
         """Return the Redis server's clock in ms: the time every deadline is read on."""
         seconds, micros = self.client.time()

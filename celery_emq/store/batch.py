@@ -134,10 +134,13 @@ class Batch:
         return self._add([("ack", *ack_call(k, chunk)) for chunk in chunks], read)
 
     def promote(self, k: QueueKeys, limit: int) -> int:
-        """Queue :meth:`Scripts.promote` of due jobs; its result is (promoted, waiting)."""
+        """Queue :meth:`Scripts.promote` of due jobs; its result is (promoted, waiting, next_due).
+
+        ``next_due`` is in how many ms the earliest job still delayed is due (-1: none).
+        """
         return self._add(
             [("promote", promote_keys(k), ["", limit])],
-            lambda replies: (int(replies[0][0]), bool(replies[0][1])),
+            lambda replies: (int(replies[0][0]), bool(replies[0][1]), int(replies[0][2])),
         )
 
     def tally(self, k: QueueKeys, offset: int, limit: int, heads: bool = False) -> int:

@@ -17,7 +17,7 @@ from celery_emq.errors import ReplicasUnconfirmedError
 from celery_emq.store.base import METRICS, PURGE_BATCH
 from celery_emq.store.batch import Batch
 from celery_emq.store.codec import pack
-from celery_emq.store.outcomes import UNSET, Claimed, NewJob, Outcome, Swept, Unset
+from celery_emq.store.outcomes import UNSET, Claimed, NewJob, Outcome, Scan, Swept, Unset
 from celery_emq.store.reads import ACTIVE_PAGE, LANE_PAGE, OLDEST_LANE_PAGE, Reads
 from celery_emq.store.registry import Registry
 
@@ -232,6 +232,7 @@ class JobStore(Reads, Registry):
         max_lapsed: int | None = None,
         dead_max_age_ms: int = 0,
         dead_max_size: int = 0,
+        registry: bool = False,
     ) -> list[Swept]:
         """Examine up to ``limit`` lapsed claims: count a stall on each that started.
 
@@ -244,6 +245,10 @@ class JobStore(Reads, Registry):
         ``None`` never dead-letters. Then up to ``limit`` dead jobs past the
         morgue's retention (``dead_max_age_ms``, ``dead_max_size``; 0 disables
         a bound) are deleted, each reported with the outcome ``trimmed``.
+        Due delayed jobs are promoted first (outcome ``promoted``). With
+        ``registry``, on one server, the pass ends with ``Swept("", "expiring",
+        n)`` when ``n`` > 0 ``x-expires`` queues are registered (the expiry pass
+        has work); on a Cluster the registry lies on another slot and is not read.
         """
         return self.scripts.sweep(
             self.keys(queue),
@@ -255,6 +260,7 @@ class JobStore(Reads, Registry):
             max_lapsed=max_lapsed,
             dead_max_age_ms=dead_max_age_ms,
             dead_max_size=dead_max_size,
+            expiring=self.expiring_key if registry and self.one_server else "",
         )
 
     def charge(
@@ -312,13 +318,22 @@ class JobStore(Reads, Registry):
                 return total
 
     def waiting(self, queues: Sequence[str]) -> list[str]:
-        """Promote due delayed jobs; return those of ``queues`` that have jobs to claim.
+        """Promote due delayed jobs; return those of ``queues`` that have jobs to claim."""
+        return self.scan(queues).waiting
+
+    def scan(self, queues: Sequence[str]) -> Scan:
+        """Promote due delayed jobs; say which of ``queues`` have jobs to claim, and
+        when the earliest job still delayed in them is due.
 
         One script call per queue (its keys share a slot), in one round trip.
         """
         if not queues:
-            return []
+            return Scan([], None)
         batch = self.scripts.batch()
         handles = [batch.promote(self.keys(q), PROMOTE_BATCH) for q in queues]
         batch.execute()
-        return [q for q, h in zip(queues, handles, strict=True) if batch.result(h)[1]]
+        results = [batch.result(h) for h in handles]
+        due = [r[2] for r in results if r[2] >= 0]
+        return Scan(
+            [q for q, r in zip(queues, results, strict=True) if r[1]], min(due) if due else None
+        )

@@ -30,6 +30,12 @@ key                             type    content                           ends
 ``<p>:{q}:wake``                LIST    one marker per job made           deleted when nothing is
                                         claimable; consumers block on it  pending (claim, sweep)
                                         with BRPOP, then claim
+``<p>:{q}:soon``                LIST    one marker at most: a delayed     popped by a consumer
+                                        job due before every other was    (BRPOP)
+                                        enqueued; waiting consumers,
+                                        whose wait ends when the
+                                        earliest known job is due, scan
+                                        again
 ``<p>:{q}:hold``                LIST    never written: a consumer that    never exists
                                         holds a suspect waits on it (a
                                         BRPOP that only times out)
@@ -196,6 +202,10 @@ class QueueKeys:
     @property
     def delayed(self) -> str:
         return self.base + "delayed"
+
+    @property
+    def soon(self) -> str:
+        return self.base + "soon"
 
     @property
     def etas(self) -> str:

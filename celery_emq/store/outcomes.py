@@ -15,6 +15,7 @@ __all__ = [
     "Claimed",
     "NewJob",
     "Outcome",
+    "Scan",
     "Swept",
     "Unset",
     "live_token",
@@ -111,3 +112,14 @@ def new_nonce() -> str:
     by the server, so no rollback can issue it again.
     """
     return secrets.token_hex(8)
+
+
+@dataclass(frozen=True)
+class Scan:
+    """What a consumer's look at its queues found (see ``JobStore.scan``)."""
+
+    #: the queues that have jobs to claim, in the order asked
+    waiting: list[str]
+    #: in how many ms (server clock) the earliest delayed job of these queues is
+    #: due; ``None``: none is delayed
+    next_due_ms: int | None

@@ -302,6 +302,7 @@ class Scripts(Loaded):
         max_lapsed: int | None = None,
         dead_max_age_ms: int = 0,
         dead_max_size: int = 0,
+        expiring: str = "",
     ) -> list[Swept]:
         """Count a stall on lapsed (or the named) claims; recover or dead-letter each.
 
@@ -311,11 +312,14 @@ class Scripts(Loaded):
         (``None``: no bound), a job is dead-lettered as ``never_started``.
         A pass over lapsed claims (no ``claims``) then applies the morgue's
         retention (0 disables a bound): each dead job it deletes is reported
-        with the outcome ``trimmed``.
+        with the outcome ``trimmed``. Given the ``expiring`` registry's key (on
+        one server), such a pass ends with ``Swept("", "expiring", n)`` when the
+        registry holds ``n`` > 0 queues.
         """
         reply = self.run(
             "sweep",
-            [k.active, k.pending, k.wake, k.head, k.dead, k.lanes, k.base],
+            [k.active, k.pending, k.wake, k.head, k.dead, k.lanes, k.base]
+            + ([expiring] if expiring else []),
             [
                 time_arg(now_ms),
                 limit,

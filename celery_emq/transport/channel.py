@@ -30,10 +30,18 @@ class Channel(Consuming, Publishing):
         # shutdown, a reconnect): queued acks and start records go now.
         batcher().flush()
         if self._in_poll:
-            # A BRPOP is in flight: read its reply without claiming, and give a
-            # popped marker back so another consumer wakes for that job.
+            # A BRPOP is in flight. A reply already there is read without
+            # claiming, and a popped marker given back so another consumer
+            # wakes for that job. Otherwise the wait (an idle one lasts
+            # seconds) is not sat through: a blocked BRPOP whose connection
+            # closes pops nothing.
+            queue = None
             try:
-                queue = self._brpop_reply()
+                if self._in_poll.can_read(timeout=0):
+                    queue = self._brpop_reply()
+                else:
+                    connection, self._in_poll = self._in_poll, None
+                    connection.disconnect()
             except Exception:
                 queue = None
             if queue is not None:

@@ -30,6 +30,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import ClusterDownError, RedisClusterException
 
 from celery_emq.store.nodes import Lanes, Troubles
+from celery_emq.store.outcomes import Scan
 from celery_emq.store.retries import CLUSTER_RETRIES, bound_cluster, cluster_class, cluster_retry
 from celery_emq.transport.wakers import WakingChannel
 
@@ -198,8 +199,8 @@ class ClusterChannel(WakingChannel):
 
     # -- one master down delays only its own queues ----------------------------
 
-    def _waiting(self, queues: list[str]) -> list[str]:
-        """Those of ``queues`` that have jobs to claim: each master asked on its own lane.
+    def _scan(self, queues: list[str]) -> Scan:
+        """Scan ``queues`` (see :meth:`JobStore.scan`): each master asked on its own lane.
 
         A master that fails or does not answer within :data:`SCAN_BOUND_S`
         has its queues left out of this scan; the others' are claimed. Only
@@ -208,12 +209,16 @@ class ClusterChannel(WakingChannel):
         by_node: dict[str, list[str]] = {}
         for q in queues:
             by_node.setdefault(self.store.node_of(q), []).append(q)
-        shares = {node: partial(self.store.waiting, qs) for node, qs in by_node.items()}
+        shares = {node: partial(self.store.scan, qs) for node, qs in by_node.items()}
         found: list[str] = []
+        due: list[int] = []
         errors: list[BaseException] = []
         for node, share in self._scan_lanes.run(shares, SCAN_BOUND_S).items():
             if share.done:
-                found.extend(share.value or [])
+                if share.value is not None:
+                    found.extend(share.value.waiting)
+                    if share.value.next_due_ms is not None:
+                        due.append(share.value.next_due_ms)
                 self._answered(node, by_node[node])
             else:
                 if share.error is not None:
@@ -222,7 +227,7 @@ class ClusterChannel(WakingChannel):
                 self._unanswering(node, by_node[node], why)
         if errors and len(errors) == len(shares):
             raise errors[0]
-        return found
+        return Scan(found, min(due) if due else None)
 
     def _claim_and_deliver(self, queue: str, held: int) -> bool:
         try:

@@ -1,8 +1,12 @@
 """Consuming: waiting for work, claiming it, and handing each claim to kombu.
 
 A consumer blocks on its queues' wake lists (one ``BRPOP``), claims a batch
-from each queue whose marker it popped, and scans every queue at least once a
-scan interval (a marker can be lost). Each claimed job is decoded into a kombu
+from each queue whose marker it popped, and scans its queues when a wait times
+out, and at least once a scan interval while markers keep coming (a marker can
+be lost). An idle consumer's wait lasts until the earliest delayed job it knows
+of is due, or ``idle_wait_s``: the scan that follows promotes due jobs and
+learns the next due time; a delayed job due earlier than any before pushes a
+``soon`` marker the wait also blocks on. Each claimed job is decoded into a kombu
 message; one that cannot be, or whose content the consumer refuses, goes to
 the morgue. A delivery that fails gives the rest of its batch back at once.
 """
@@ -18,7 +22,7 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
 from celery_emq.store.codec import unpack
-from celery_emq.store.outcomes import UNSET, Claimed
+from celery_emq.store.outcomes import UNSET, Claimed, Scan
 from celery_emq.transport.lease import keeper
 from celery_emq.transport.messages import (
     BUDGET_OPTION,
@@ -36,6 +40,9 @@ __all__ = ["Consuming"]
 
 logger = logging.getLogger(__name__)
 
+#: How long a nudge no wait popped stays (see :meth:`Consuming._nudge`).
+NUDGE_TTL_MS = 60_000
+
 
 class Consuming(StoreChannel):
     """The channel's consuming half: the wait, the claims, the decoding of each."""
@@ -48,6 +55,9 @@ class Consuming(StoreChannel):
         # the content the consumer will decode (Celery's accept_content).
         self._accept[queue] = getattr(getattr(callback, "__self__", None), "accept", None)
         ret = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+        if queue not in self._fanout_queues and self._in_poll:
+            # The wait in flight names only the queues consumed when it began.
+            self._nudge()
         if not no_ack and queue not in self._fanout_queues:
             # Inside a worker, once it is ready, settles wait this long for company.
             batcher().delay_ms = self.emq.settle_delay_ms
@@ -55,6 +65,9 @@ class Consuming(StoreChannel):
             # other process.
             self._register(queue)
             self._check_server()
+            # A new queue is looked at before the first wait (a job stranded
+            # by a lost marker, a delayed job due soon).
+            self._next_scan_at = 0.0
             sweep_thread().watch(self.sweeper, queue)
         return ret
 
@@ -90,14 +103,62 @@ class Consuming(StoreChannel):
             self._wait_out_suspect(queues[0], hold_s, timeout)
             return
         wake_keys = [self.store.keys(q).wake for q in queues]
-        for q, key in zip(queues, wake_keys, strict=True):
+        soon_keys = [self.store.keys(q).soon for q in queues] + [self._nudge_key]
+        for q, key, soon in zip(queues, wake_keys, soon_keys[:-1], strict=True):
             self._wake_queues[key] = q
+            self._soon_keys.add(soon)
             if self.global_keyprefix and key.startswith(self.global_keyprefix):
                 # kombu's prefixing client strips its prefix from BRPOP replies.
                 self._wake_queues[key[len(self.global_keyprefix) :]] = q
+                self._soon_keys.add(soon[len(self.global_keyprefix) :])
         self._in_poll = self.client.connection
         self._brpop_sent_at = monotonic()
-        self.client.connection.send_command("BRPOP", *wake_keys, timeout or 0)
+        self.client.connection.send_command(
+            "BRPOP", *wake_keys, *soon_keys, f"{self._wait_timeout_s():.3f}"
+        )
+
+    @property
+    def _nudge_key(self) -> str:
+        """This channel's own list: a push to it cuts its wait in flight short."""
+        key = f"{self.store.prefix}:nudge:{self._nudge_id}"
+        self._soon_keys.add(key)
+        if self.global_keyprefix and key.startswith(self.global_keyprefix):
+            self._soon_keys.add(key[len(self.global_keyprefix) :])
+        return key
+
+    def _nudge(self) -> None:
+        """End the wait in flight now: the next one names the queues consumed now.
+
+        The scan that follows looks at every queue at once (a message may
+        already wait in the one just consumed).
+        """
+        self._next_scan_at = 0.0
+        pipe = self.store.client.pipeline(transaction=False)
+        # A nudge no wait pops (the channel closed meanwhile) does not stay.
+        pipe.lpush(self._nudge_key, 1).pexpire(self._nudge_key, NUDGE_TTL_MS)
+        pipe.execute()
+
+    def _wait_timeout_s(self) -> float:
+        """How long the next wait may block: until the next scan is due, within bounds.
+
+        Never 0 (a BRPOP that would block for ever).
+        """
+        return max(0.01, min(self._next_scan_at - monotonic(), self._idle_wait_s))
+
+    @property
+    def _idle_wait_s(self) -> float:
+        """The longest wait: ``idle_wait_s``, under the socket timeout and kombu's health check.
+
+        kombu drops a BRPOP connection whose reply is overdue by
+        ``brpop_timeout + health_check_interval``; a socket timeout would
+        fail a read that waited longer than it.
+        """
+        wait = self.emq.idle_wait_s
+        if self.socket_timeout:
+            wait = min(wait, 0.8 * float(self.socket_timeout))
+        if self.health_check_interval:
+            wait = min(wait, float(self.brpop_timeout or 1) + self.health_check_interval / 2)
+        return max(wait, 0.05)
 
     def _wait_out_suspect(self, queue: str, hold_s: float, timeout: float | None) -> None:
         """Wait on a list nothing is pushed to, until the suspect's hold may be over.
@@ -128,7 +189,13 @@ class Consuming(StoreChannel):
             self._flush_brpop_reauth()
         if not reply:
             return None
-        return self._wake_queues[bytes_to_str(reply[0])]
+        key = bytes_to_str(reply[0])
+        if key in self._soon_keys:
+            # A delayed job due before any the wait knew of: scan now (the
+            # scan learns when it is due), as after a wait that timed out.
+            self._next_scan_at = 0.0
+            return None
+        return self._wake_queues[key]
 
     def _brpop_read(self, **options: Any) -> bool:
         queue = self._brpop_reply(**options)
@@ -160,16 +227,21 @@ class Consuming(StoreChannel):
         now = monotonic()
         if not woken or now - self._scanned_at >= self._scan_interval_s:
             self._scanned_at = now
-            for q in self._waiting(self.active_queues):
+            scan = self._scan(self.active_queues)
+            wait_s = self._idle_wait_s
+            if scan.next_due_ms is not None:
+                wait_s = min(wait_s, scan.next_due_ms / 1000)
+            self._next_scan_at = now + wait_s
+            for q in scan.waiting:
                 if self._claim_and_deliver(q, held=0):
                     delivered = True
         if delivered:
             return True
         raise Empty()
 
-    def _waiting(self, queues: list[str]) -> list[str]:
-        """Those of ``queues`` that have jobs to claim (promoting due delayed jobs)."""
-        return self.store.waiting(queues)
+    def _scan(self, queues: list[str]) -> Scan:
+        """Promote due delayed jobs; which of ``queues`` have jobs, when the next is due."""
+        return self.store.scan(queues)
 
     @property
     def _scan_interval_s(self) -> float:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import uuid
 from time import monotonic
 from typing import Any
 
@@ -84,6 +85,11 @@ class StoreChannel(ChannelCompat, kombu_redis.Channel):
         self._noted_expiring_at: dict[str, float] = {}
         self._budgets: dict[str, int | Unset | None] = {}
         self._scanned_at = monotonic()
+        #: The soon keys the consumer's wait blocks on (as BRPOP may name them).
+        self._soon_keys: set[str] = set()
+        #: When (monotonic) the consumer looks at its queues next: its wait ends then.
+        self._next_scan_at = 0.0
+        self._nudge_id = uuid.uuid4().hex
         super().__init__(connection, *args, **kwargs)
         # Inside a Celery worker, before it binds its message handlers: see
         # what its handling of lost processes and refused messages decides.

@@ -69,7 +69,10 @@ class SweepThread:
         that hangs holds up only its own queues' sweeps, so every other
         queue is swept on time (a late sweep would read as an outage and let
         stalls off). The expiry pass (``x-expires`` queues: a registry on one
-        node, queues on any) runs on a lane of its own and is not waited for.
+        node, queues on any) runs on a lane of its own and is not waited for,
+        and only when the sweep saw such queues registered (on one server the
+        sweep script reads the registry's size; on a Cluster it cannot, and the
+        pass runs every time).
         """
         with self._lock:
             targets = list(self._queues.values())
@@ -112,9 +115,8 @@ class SweepThread:
                     node,
                     share.busy_s,
                 )
-        self._expiry.run(
-            {str(key): partial(_expire, sweeper) for key, sweeper in stores.items()}, 0
-        )
+        expiring = {str(k): partial(_expire, s) for k, s in stores.items() if s.expiring}
+        self._expiry.run(expiring, 0)
         return reports
 
     def _run(self) -> None:

@@ -19,7 +19,7 @@ from functools import cached_property, partial
 from typing import Any
 
 from celery_emq.options import EmqOptions
-from celery_emq.store.jobstore import PROMOTE_BATCH, JobStore
+from celery_emq.store.jobstore import JobStore
 from celery_emq.store.outcomes import Outcome, Swept
 from celery_emq.transport import lease
 from celery_emq.transport.follow_up import FollowUp
@@ -72,18 +72,19 @@ class Sweeper:
         self.store = store
         self.options = options
         self.follow_up = follow_up if follow_up is not None else registered_follow_up()
+        #: Whether the last pass saw ``x-expires`` queues registered (always so
+        #: on a Cluster, where the sweep cannot read the registry).
+        self.expiring = not store.one_server
 
     def sweep(self, queue: str, now_ms: int | None = None) -> SweepReport:
         """Count a stall on every lapsed job of ``queue``; recover or dead-letter each.
 
-        Delayed jobs that are due are promoted first (consumers also promote
-        them, at least once a second, whenever they look for work). The same
-        script calls apply the morgue's retention, on every pass.
+        The same script calls first promote delayed jobs that are due
+        (consumers also promote them, when their wait ends at the earliest due
+        time they know of), and apply the morgue's retention: an idle queue
+        costs one call a pass.
         """
         report = SweepReport(queue)
-        for _ in range(MAX_CALLS_PER_PASS):
-            if self.store.promote(queue, now_ms=now_ms) < PROMOTE_BATCH:
-                break
         for _ in range(MAX_CALLS_PER_PASS):
             swept = self.store.sweep(
                 queue,
@@ -94,7 +95,13 @@ class Sweeper:
                 max_lapsed=self.options.max_lapsed,
                 dead_max_age_ms=self.options.dead_max_age_s * 1000,
                 dead_max_size=self.options.dead_max_size,
+                registry=True,
             )
+            if swept and swept[-1].outcome == "expiring":
+                self.expiring = True
+                swept.pop()
+            elif self.store.one_server:
+                self.expiring = False
             self._after(queue, swept, report, "lease_expired")
             if len(swept) < self.options.sweep_batch:
                 break
@@ -199,6 +206,8 @@ class Sweeper:
 
     def _after(self, queue: str, swept: list[Swept], report: SweepReport, reason: str) -> None:
         for job in swept:
+            if job.outcome == "promoted":
+                continue
             if job.outcome == "trimmed":
                 report.trimmed += 1
                 continue

@@ -109,10 +109,14 @@ class WakeClient:
 class Waker(threading.Thread):
     """Blocks on the wake lists of one slot's queues; reports each popped marker."""
 
-    def __init__(self, channel: WakingChannel, queues: dict[str, str], timeout_s: int) -> None:
+    def __init__(self, channel: WakingChannel, queues: dict[str, str], timeout_s: float) -> None:
         super().__init__(name=f"emq-waker-{next(iter(queues.values()))}", daemon=True)
-        #: wake key -> queue
+        #: wake (and soon) key -> queue
         self.queues = queues
+        #: A list of this waker's slot only it waits on: a push ends its wait (see stop).
+        self.nudge_key = channel.store.keys(next(iter(queues.values()))).base + (
+            f"nudge:{channel._nudge_id}"
+        )
         self._channel = channel
         self._timeout_s = timeout_s
         self.armed = threading.Event()
@@ -135,7 +139,7 @@ class Waker(threading.Thread):
                 self._channel._signal()
 
     def _wait(self) -> None:
-        keys = list(self.queues)
+        keys = [*self.queues, self.nudge_key]
         failures = 0
         while not self.stopped:
             if not self.armed.wait(self._timeout_s):
@@ -144,9 +148,13 @@ class Waker(threading.Thread):
                 break
             try:
                 client = self._channel._wake_redis()
-                reply = client.brpop(keys, timeout=self._timeout_s)
+                reply = client.brpop(keys, timeout=round(self._channel._wait_timeout_s(), 3))
                 if reply is None:
-                    self._channel._tick()
+                    self._timed_out()
+                elif bytes_to_str(reply[0]) == self.nudge_key:
+                    continue  # stopped (or a nudge meant for an earlier wait)
+                elif bytes_to_str(reply[0]) in self._channel._soon_keys:
+                    self._report_soon(bytes_to_str(reply[0]))
                 else:
                     self._report(self.queues[bytes_to_str(reply[0])])
             except Exception as exc:
@@ -161,6 +169,32 @@ class Waker(threading.Thread):
             if failures:
                 logger.info("celery_emq: waiting on %s again after %d failures", keys, failures)
                 failures = 0
+
+    def _timed_out(self) -> None:
+        """The wait ended with its timeout: the loop's scan is due (armed again after it).
+
+        Unless the loop scanned meanwhile (another slot's waker timed out
+        first): then this one waits again, until the next scan is due.
+        """
+        if monotonic() < self._channel._next_scan_at:
+            return
+        with self._channel._wake_lock:
+            if self.armed.is_set() and not self.stopped:
+                self.armed.clear()
+                self._channel._signal()
+
+    def _report_soon(self, key: str) -> None:
+        """Have the loop scan now: a delayed job is due before any its wait knew of."""
+        with self._channel._wake_lock:
+            keep = self.armed.is_set() and not self.stopped
+            if keep:
+                # Armed again after the scan, which learns the new due time.
+                self.armed.clear()
+                self._channel._next_scan_at = 0.0
+                self._channel._signal()
+        if not keep:
+            # Another consumer waiting may act on it.
+            self._channel._wake_redis().lpush(key, 1)
 
     def _report(self, queue: str) -> None:
         """Hand the loop the marker popped from ``queue``'s wake list."""
@@ -199,15 +233,18 @@ class WakingChannel(Channel):
     # -- claims: a waker per slot --------------------------------------------
 
     @property
-    def _wait_s(self) -> int:
-        return max(1, int(self.brpop_timeout or 1))
+    def _wait_s(self) -> float:
+        return self._idle_wait_s
 
     def _wake_groups(self) -> dict[int, dict[str, str]]:
-        """The wake lists of the active queues, by slot (wake key -> queue)."""
+        """The wake and soon lists of the active queues, by slot (key -> queue)."""
         groups: dict[int, dict[str, str]] = {}
         for q in self.active_queues:
-            key = self.store.keys(q).wake
-            groups.setdefault(key_slot(key.encode()), {})[key] = q
+            keys = self.store.keys(q)
+            group = groups.setdefault(key_slot(keys.wake.encode()), {})
+            group[keys.wake] = q
+            group[keys.soon] = q
+            self._soon_keys.add(keys.soon)
         return groups
 
     def _retire_wakers(self, groups: dict[int, dict[str, str]]) -> bool:
@@ -262,6 +299,24 @@ class WakingChannel(Channel):
             # their own: the poller's next wait starts it.
             self._in_poll = None
         return result
+
+    def _end_waits(self, wakers: list[Waker]) -> None:
+        """End the stopped wakers' waits now (an idle wait lasts seconds)."""
+        try:
+            client = self._wake_redis()
+            for waker in wakers:
+                if waker.is_alive():
+                    pipe = client.pipeline(transaction=False)
+                    pipe.lpush(waker.nudge_key, 1).pexpire(waker.nudge_key, 60_000)
+                    pipe.execute()
+        except Exception:
+            # Each waker still ends within its wait.
+            logger.debug("celery_emq: could not end the wakers' waits early", exc_info=True)
+
+    def _nudge(self) -> None:
+        """Wake the loop: it scans the queue just consumed; its next wait arms its waker."""
+        self._next_scan_at = 0.0
+        self._signal()
 
     def _woke(self, queue: str) -> None:
         """A waker popped ``queue``'s marker (called from its thread)."""
@@ -318,6 +373,7 @@ class WakingChannel(Channel):
             self._wakers.clear()
             for waker in wakers:
                 waker.stop()
+        self._end_waits(wakers)
         deadline = monotonic() + self._wait_s + 1
         for waker in wakers:
             waker.join(max(0.0, deadline - monotonic()))

@@ -102,3 +102,27 @@ def test_a_worker_that_never_heard_the_revoke_still_discards_the_task(
     wait_for(lambda: AsyncResult(doomed.id, app=capp).state == "REVOKED", 15)
     assert runs(client, prefix) == {"kept": 1}
     capp.close()
+
+
+def test_a_task_due_before_any_other_starts_on_time_though_the_worker_waits_long(
+    start_worker: Callable[..., Worker], capp: Any, client: redis.Redis, prefix: str
+) -> None:
+    # An idle worker's wait lasts until the earliest delayed job it knows of is
+    # due, or idle_wait_s (8 s): a job published during that wait, due sooner
+    # than any before, must wake it (the sweep, 9 s apart here, is not what runs it).
+    start_worker("-c", "1", "-P", "prefork", EMQ_E2E_SWEEP_S="9")
+    store = JobStore(client, prefix + "emq", 30000)
+    capp.send_task("tests.e2e.app.sleepy", args=(0, "far"), countdown=600)
+    time.sleep(2.5)  # the worker waits long now
+    etas = {}
+    for tag, ahead_s in (("near", 4.0), ("nearer", 1.5)):
+        eta = datetime.fromtimestamp(time.time() + ahead_s, tz=timezone.utc)
+        etas[tag] = eta.timestamp()
+        capp.send_task("tests.e2e.app.sleepy", args=(0, tag), eta=eta)
+        time.sleep(0.5)
+    wait_for(lambda: client.llen(prefix + "done") == 2, timeout=20, interval=0.1)
+    late = {tag: started(client, prefix, tag)[0] - eta for tag, eta in etas.items()}
+    assert min(late.values()) >= 0
+    assert max(late.values()) < 1.0, late
+    assert runs(client, prefix) == {"near": 1, "nearer": 1}
+    assert store.counts("celery")["delayed"] == 1

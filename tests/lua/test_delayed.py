@@ -5,7 +5,7 @@ from __future__ import annotations
 import redis
 
 from celery_emq.store.jobstore import JobStore
-from celery_emq.store.outcomes import Outcome
+from celery_emq.store.outcomes import NewJob, Outcome
 
 
 def test_a_job_not_yet_due_waits_in_the_delayed_set(store: JobStore, client: redis.Redis) -> None:
@@ -96,3 +96,52 @@ def test_waiting_promotes_and_reports_claimable_queues(store: JobStore) -> None:
     store.client.zadd(store.keys("q1").delayed, {"a": now - 5})
     assert store.waiting(["q1"]) == ["q1"]
     assert store.counts("q1")["pending"] == 1
+
+
+def test_a_delayed_job_due_before_every_other_signals_the_consumers(
+    store: JobStore, client: redis.Redis
+) -> None:
+    # Consumers wait until the earliest due time they know of: a job due
+    # earlier must wake one of them (its own list, not the counted wake list).
+    k = store.keys("q")
+    store.enqueue("q", "a", b"{}", eta_ms=5000, now_ms=1000)
+    assert client.llen(k.soon) == 1
+    assert client.llen(k.wake) == 0
+    client.delete(k.soon)  # a consumer popped it
+    store.enqueue("q", "b", b"{}", eta_ms=6000, now_ms=1000)
+    assert client.llen(k.soon) == 0
+    store.enqueue("q", "c", b"{}", eta_ms=4000, now_ms=1000)
+    store.enqueue("q", "d", b"{}", eta_ms=3000, now_ms=1000)
+    # One signal at most, however many earlier jobs come before a consumer pops it.
+    assert client.llen(k.soon) == 1
+    client.delete(k.soon)
+    store.enqueue("q", "e", b"{}", now_ms=1000)
+    assert client.llen(k.soon) == 0
+
+
+def test_a_batch_with_a_job_due_before_every_other_signals_once(
+    store: JobStore, client: redis.Redis
+) -> None:
+    k = store.keys("q")
+    store.enqueue("q", "a", b"{}", eta_ms=5000, now_ms=1000)
+    client.delete(k.soon)
+    store.enqueue_many("q", [NewJob("b", b"{}", eta_ms=7000), NewJob("c", b"{}")], now_ms=1000)
+    assert client.llen(k.soon) == 0
+    store.enqueue_many(
+        "q", [NewJob("d", b"{}", eta_ms=4000), NewJob("e", b"{}", eta_ms=2000)], now_ms=1000
+    )
+    assert client.llen(k.soon) == 1
+
+
+def test_scan_reports_when_the_next_delayed_job_is_due(store: JobStore) -> None:
+    now = store.server_ms()
+    store.enqueue("q1", "a", b"{}", eta_ms=now + 100_000)
+    store.enqueue("q2", "b", b"{}", eta_ms=now + 20_000)
+    store.enqueue("q2", "c", b"{}", eta_ms=now - 1)
+    store.enqueue("q3", "d", b"{}")
+    scan = store.scan(["q1", "q2", "q3"])
+    assert scan.waiting == ["q2", "q3"]
+    assert scan.next_due_ms is not None
+    # On the server's clock, from the scan: at most the 20 s ahead, less the time taken.
+    assert 19_000 < scan.next_due_ms <= 20_000
+    assert store.scan(["q3"]).next_due_ms is None

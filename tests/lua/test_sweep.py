@@ -319,3 +319,45 @@ def test_sweep_without_bounds_or_on_a_charge_keeps_the_morgue(
     charged = store.scripts.sweep(k, 3, 1, 5, "worker_lost", 5000, claims, dead_max_size=1)
     assert [(s.id, s.outcome) for s in charged] == [("c", "recovered")]
     assert client.zcard(k.dead) == 2
+
+
+def test_a_sweep_pass_promotes_due_delayed_jobs(store: JobStore, client: redis.Redis) -> None:
+    # The sweep is the one periodic script of a queue: it promotes due delayed
+    # jobs too (a consumer promotes them when its wait ends at their due time).
+    k = store.keys("q")
+    store.enqueue("q", "a", b"{}", eta_ms=5000, task_id="t-a", now_ms=1000)
+    store.enqueue("q", "g", b"{}", eta_ms=5500, group="g1", priority=2, now_ms=1000)
+    store.enqueue("q", "b", b"{}", eta_ms=9000, now_ms=1000)
+    swept = store.sweep("q", 1, now_ms=6000)
+    assert sorted((s.id, s.outcome) for s in swept) == [("a", "promoted"), ("g", "promoted")]
+    assert store.counts("q") == {"pending": 2, "active": 0, "delayed": 1, "dead": 0}
+    assert client.zrange(k.pending, 0, -1) == [b"a"]
+    assert client.zrange(k.lane("g1"), 0, -1) == [b"g"]
+    assert client.llen(k.wake) == 2
+    assert client.hget(k.etas, "t-a") is None
+    assert store.job("q", "a")["state"] == "pending"
+    assert "task" not in store.job("q", "a")
+    claimed = store.claim("q", "w1", count=2, now_ms=6001)[0]
+    # A charge examines the named claims only: it promotes nothing.
+    assert store.charge("q", claimed.id, claimed.token, 1, "worker_lost") is not None
+    assert store.counts("q")["delayed"] == 1
+
+
+def test_a_sweep_pass_promotes_at_most_its_limit(store: JobStore) -> None:
+    for i in range(5):
+        store.enqueue("q", f"d{i}", b"{}", eta_ms=2000 + i, now_ms=1000)
+    swept = store.sweep("q", 1, limit=3, now_ms=9000)
+    assert [s.id for s in swept] == ["d0", "d1", "d2"]
+    assert store.counts("q")["delayed"] == 2
+
+
+def test_a_sweep_given_the_registry_says_when_x_expires_queues_are_registered(
+    store: JobStore,
+) -> None:
+    if not store.one_server:
+        pytest.skip("on a Cluster the registry lies on another slot: the sweep does not read it")
+    assert store.sweep("q", 1, now_ms=1000, registry=True) == []
+    store.note_expiring("reply-q")
+    assert store.sweep("q", 1, now_ms=2000, registry=True) == [Swept("", "expiring", 1, b"")]
+    # Not asked, not read.
+    assert store.sweep("q", 1, now_ms=3000) == []

@@ -159,3 +159,18 @@ def test_a_cancelled_consumer_leaves_its_queues_markers(connect: ConnFactory) ->
     time.sleep(1.5)
     assert _wake_len(channel, name) == 1
     assert _wakers(channel) == []
+
+
+def test_close_does_not_wait_out_its_wakers_idle_waits(connect: ConnFactory) -> None:
+    # A waker's idle wait lasts seconds: a warm shutdown must not sit through it.
+    names = spread_names(2)
+    conn = connect(idle_wait_s=30, socket_timeout=60)
+    channel = conn.channel()
+    Consumer(channel, [queue(n) for n in names], callbacks=[]).consume()
+    drain(conn, [], 1, timeout=1.5)  # the wakers wait
+    assert len(_wakers(channel)) == 2
+    began = time.monotonic()
+    channel.close()
+    # Their waits had about 12 s to run.
+    assert time.monotonic() - began < 4
+    assert _wakers(channel) == []

@@ -734,3 +734,53 @@ def test_a_process_holding_a_suspect_still_hears_broadcasts_and_does_not_spin(
         assert turns < 30, turns
         got[0][1].ack()
     assert store.counts("q")["active"] == 0
+
+
+def test_closing_a_consumer_in_its_idle_wait_does_not_wait_it_out(
+    connect: ConnFactory, store: JobStore
+) -> None:
+    # An idle wait lasts seconds: a warm shutdown must not sit through it.
+    conn, q = connect(idle_wait_s=30), queue()
+    channel = conn.channel()
+    consumer = Consumer(channel, [q], callbacks=[lambda body, message: None], accept=["json"])
+    consumer.consume()
+    for _ in range(3):  # the first look at the queue, then into the long wait
+        try:
+            conn.drain_events(timeout=0.3)
+        except TimeoutError:
+            pass
+    assert channel._in_poll
+    began = time.monotonic()
+    channel.close()
+    # The wait had about 7 s to run.
+    assert time.monotonic() - began < 4
+    # Nothing was popped by the wait that was cut short: a publish still wakes the next consumer.
+    with connect() as other:
+        publish(other, q, ["after"])
+    got = drain(connect(), q, 1, timeout=5)
+    assert [b for b, _ in got] == ["after"]
+
+
+def test_a_queue_consumed_during_the_idle_wait_is_waited_on_at_once(
+    connect: ConnFactory,
+) -> None:
+    # The wait in flight names the queues consumed when it began; a queue
+    # consumed later (a reply queue of `celery inspect`, add_consumer) must
+    # not wait for it to end.
+    conn, q1, q2 = connect(idle_wait_s=30, socket_timeout=60), queue("q1"), queue("q2")
+    channel = conn.channel()
+    got: list[Any] = []
+    Consumer(channel, [q1], callbacks=[lambda b, m: got.append(b)], accept=["json"]).consume()
+    for _ in range(3):  # the first look at the queue, then into the long wait
+        try:
+            conn.drain_events(timeout=0.3)
+        except TimeoutError:
+            pass
+    assert channel._in_poll
+    Consumer(
+        channel, [q2], callbacks=[lambda b, m: got.append(b)], accept=["json"], no_ack=True
+    ).consume()
+    with connect() as other:
+        publish(other, q2, ["reply"])
+    consume_until(conn, got, 1, 4)
+    assert got == ["reply"]

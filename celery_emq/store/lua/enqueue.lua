@@ -5,7 +5,7 @@
   KEYS[4] job       <p>:{q}:job:<id> (HASH, the job's small fields)
   KEYS[5] lanes     <p>:{q}:lanes (ZSET of groups with a lane, score 0)
   KEYS[6] expires   <p>:{q}:expires (STRING, present while an x-expires queue is in use)
-  KEYS[7] base      <p>:{q}: (lane keys g:<group>:pending derive from it)
+  KEYS[7] base      <p>:{q}: (lane keys g:<group>:pending and soon derive from it)
   KEYS[8] msg       <p>:{q}:msg:<id> (STRING, the stored message)
   KEYS[9] delayed   <p>:{q}:delayed (ZSET, score = ETA ms)
   KEYS[10] etas     <p>:{q}:etas (HASH, Celery task id -> job id of delayed jobs)
@@ -18,6 +18,9 @@
   ARGV[7] group     fair-lane group ('' = the queue's default lane, pending)
   ARGV[8] eta_ms    '' or the time the job is due; a job not yet due waits in `delayed`
   ARGV[9] task_id   the Celery task id ('' if none): a delayed job is found by it (revoke)
+  A delayed job due before every other delayed job of the queue pushes a marker on
+  <p>:{q}:soon (LIST, one marker at most): consumers wait until the earliest due
+  time they know of, and one of them scans again when it pops it.
   Returns 0 OK, 3 DUPLICATE (a job with this id exists; nothing changed).
   The row holds only what is not implied elsewhere: the queue is in the key, a stall
   count and a claim count appear on first use, a zero priority is not written.
@@ -57,6 +60,10 @@ if eta_ms and eta_ms > now_ms then
   if task_id ~= '' then
     redis.call('HSET', job, 'task', task_id)
     redis.call('HSET', etas, task_id, id)
+  end
+  local first = redis.call('ZRANGE', delayed, 0, 0, 'WITHSCORES')
+  if (not first[2] or eta_ms < tonumber(first[2])) and redis.call('EXISTS', base .. 'soon') == 0 then
+    redis.call('LPUSH', base .. 'soon', 1)
   end
   redis.call('ZADD', delayed, eta_ms, id)
 else

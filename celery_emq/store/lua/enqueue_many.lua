@@ -4,7 +4,7 @@
   KEYS[3] seq       <p>:{q}:seq (STRING, tail sequence)
   KEYS[4] lanes     <p>:{q}:lanes (ZSET of groups with a lane, score 0)
   KEYS[5] expires   <p>:{q}:expires (STRING, present while an x-expires queue is in use)
-  KEYS[6] base      <p>:{q}: (job rows, messages and lane keys derive from it)
+  KEYS[6] base      <p>:{q}: (job rows, messages, lane keys and soon derive from it)
   KEYS[7] delayed   <p>:{q}:delayed (ZSET, score = ETA ms)
   KEYS[8] etas      <p>:{q}:etas (HASH, Celery task id -> job id of delayed jobs)
   ARGV[1] now_ms    '' takes the Redis server's clock
@@ -20,7 +20,9 @@
   many waiting consumers wake as before). Per job only EXISTS and the row's HSET
   are commands of their own: the messages go in one MSET and each lane's members
   in one ZADD (per CHUNK jobs), sent once every job is read, which leaves the same
-  keys as a SET and a ZADD per job (a script runs whole, nothing sees between).
+  keys as a SET and a ZADD per job (a script runs whole, nothing sees between). A
+  delayed job due before every delayed job there was pushes the one `soon` marker,
+  as in enqueue.lua.
 ]]
 local pending, wake, seq, lanes = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local expires, base, delayed, etas = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
@@ -56,6 +58,10 @@ local n = tonumber(redis.call('GET', seq) or '0')
 local first_n = n
 local codes = {}
 local grouped = {}
+-- The earliest due time before this call (false: nothing delayed), and whether a
+-- job of this call comes before it.
+local first = redis.call('ZRANGE', delayed, 0, 0, 'WITHSCORES')
+local earliest, sooner = tonumber(first[2]), false
 for i = 3, #ARGV, 7 do
   local id, message, priority = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
   local max_stalled, group = ARGV[i + 3], ARGV[i + 4]
@@ -85,6 +91,9 @@ for i = 3, #ARGV, 7 do
       end
       redis.call('HSET', job, unpack(row))
       redis.call('ZADD', delayed, eta_ms, id)
+      if not earliest or eta_ms < earliest then
+        sooner = true
+      end
     else
       redis.call('HSET', job, unpack(row))
       n = n + 1
@@ -131,6 +140,9 @@ if claimable > 0 then
     redis.call('LPUSH', wake, unpack(markers))
     left = left - now
   end
+end
+if sooner and redis.call('EXISTS', base .. 'soon') == 0 then
+  redis.call('LPUSH', base .. 'soon', 1)
 end
 -- Rows never expire one by one: an x-expires queue expires as a whole once
 -- unused for ttl_ms (the sweep purges it when this key is gone).

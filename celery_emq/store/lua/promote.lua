@@ -11,8 +11,9 @@
   ARGV[3..] task ids  promote these delayed jobs now, due or not, marked `revoked`: they
             were revoked, and the worker that claims one discards it as Celery does a
             revoked task, even one that no longer remembers the revoke
-  Returns {promoted, waiting}: how many jobs were promoted, and 1 if the queue has
-  jobs to claim (pending or in a lane), else 0.
+  Returns {promoted, waiting, next_due}: how many jobs were promoted, 1 if the queue
+  has jobs to claim (pending or in a lane) else 0, and in how many ms (on the server's
+  clock) the earliest job still delayed is due (-1: none; 0: due, past the limit).
   A promoted job joins the tail of its queue or lane, in ETA order.
 ]]
 local pending, wake, seq, lanes, delayed = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
@@ -22,6 +23,7 @@ local limit, now_arg = tonumber(ARGV[2]), ARGV[1]
 local BAND = 1099511627776
 
 local ids = {}
+local now_ms
 for i = 3, #ARGV do
   local id = redis.call('HGET', etas, ARGV[i])
   if id and redis.call('ZSCORE', delayed, id) then
@@ -29,9 +31,9 @@ for i = 3, #ARGV do
     ids[#ids + 1] = id
   end
 end
--- An idle consumer runs this every second: with nothing delayed, it reads no clock.
+-- An idle consumer runs this after each wait: with nothing delayed, it reads no clock.
 if limit > 0 and redis.call('EXISTS', delayed) == 1 then
-  local now_ms = tonumber(now_arg)
+  now_ms = tonumber(now_arg)
   if not now_ms then
     local t = redis.call('TIME')
     now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -65,4 +67,11 @@ local waiting = 0
 if redis.call('EXISTS', pending, lanes) > 0 then
   waiting = 1
 end
-return {n, waiting}
+local next_due = -1
+if now_ms then
+  local first = redis.call('ZRANGE', delayed, 0, 0, 'WITHSCORES')
+  if first[2] then
+    next_due = math.max(0, tonumber(first[2]) - now_ms)
+  end
+end
+return {n, waiting, next_due}

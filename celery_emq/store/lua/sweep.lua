@@ -5,7 +5,10 @@
   KEYS[4] head      <p>:{q}:head (STRING, head sequence)
   KEYS[5] dead      <p>:{q}:dead (ZSET, score = time of death ms)
   KEYS[6] lanes     <p>:{q}:lanes (ZSET of groups with a lane)
-  KEYS[7] base      <p>:{q}: (job rows, lane keys and metrics:<name> derive from it)
+  KEYS[7] base      <p>:{q}: (job rows, lane keys, metrics:<name>, delayed, etas and
+                    seq derive from it)
+  KEYS[8] expiring  <p>:expiring (SET, the x-expires registry; optional, given on one
+                    server, where it shares the queue's node)
   ARGV[1] now_ms      '' takes the Redis server's clock
   ARGV[2] limit       most jobs examined by this call (1..1000)
   ARGV[3] max_stalled stalls forgiven when the row names no budget; -1 never dead-letters
@@ -18,10 +21,17 @@
             running them) instead of examining the lapsed ones; a pair that names
             no live claim changes nothing and is counted in metrics:fenced
             (reason:charge)
-  Returns a flat array: id, outcome (recovered | dead | requeued | never_started |
-  completed | graced | trimmed), stalled, message (as stored; false unless recovered,
+  Returns a flat array: id, outcome (promoted | recovered | dead | requeued |
+  never_started | completed | graced | trimmed), stalled, message (as stored; false unless recovered,
   dead or never_started), ... A job an older claim completed (its ack was fenced,
   `completed` is set) is deleted and counted completed instead (outcome completed).
+  Delayed jobs: a pass that examines lapsed claims (not a charge) first promotes up to
+  `limit` due delayed jobs to the tail of their queue or lane, as promote.lua does
+  (outcome promoted, stalled 0): the sweep is a queue's one periodic script, the net
+  behind the consumers, whose waits end when the earliest delayed job they know of is due.
+  Registry: given `expiring`, a pass that examines lapsed claims ends with the entry
+  '', expiring, SCARD, false when the x-expires registry holds any queue, so the
+  caller runs the expiry pass only then (an idle worker sends nothing beside this call).
   Retention: a pass that examines lapsed claims (not a charge) then deletes up to `limit`
   dead jobs past the morgue's age or size bounds, oldest deaths first (outcome trimmed,
   stalled 0): every sweep applies it, whether or not a job died since the last. Such a pass
@@ -46,7 +56,7 @@
   stalled > max_stalled dead-letters. A batch keeps its order at the front.
 ]]
 local active, pending, wake, head, dead = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local lanes, base = KEYS[6], KEYS[7]
+local lanes, base, registry = KEYS[6], KEYS[7], KEYS[8]
 local limit = tonumber(ARGV[2])
 local default_budget, reason = tonumber(ARGV[3]), ARGV[4]
 local lease_ms, max_lapsed = tonumber(ARGV[5]), tonumber(ARGV[6])
@@ -98,6 +108,32 @@ local function front(i, priority)
   return tonumber(priority or '0') * BAND - (top - (i - first))
 end
 local out = {}
+local delayed = base .. 'delayed'
+if not charge and redis.call('EXISTS', delayed) == 1 then
+  local etas, tail = base .. 'etas', base .. 'seq'
+  local due = redis.call('ZRANGE', delayed, '-inf', now_ms, 'BYSCORE', 'LIMIT', 0, limit)
+  for _, id in ipairs(due) do
+    redis.call('ZREM', delayed, id)
+    local job = base .. 'job:' .. id
+    local row = redis.call('HMGET', job, 'priority', 'group', 'task')
+    if row[3] then
+      redis.call('HDEL', etas, row[3])
+    end
+    local lane = pending
+    if row[2] and row[2] ~= '' then
+      lane = base .. 'g:' .. row[2] .. ':pending'
+      redis.call('ZADD', lanes, 0, row[2])
+    end
+    redis.call('ZADD', lane, tonumber(row[1] or '0') * BAND + redis.call('INCR', tail), id)
+    redis.call('HSET', job, 'state', 'pending')
+    redis.call('HDEL', job, 'task')
+    redis.call('LPUSH', wake, 1)
+    out[#out + 1] = id
+    out[#out + 1] = 'promoted'
+    out[#out + 1] = 0
+    out[#out + 1] = false
+  end
+end
 for i, id in ipairs(ids) do
   local job = base .. 'job:' .. id
   local row = redis.call('HMGET', job, 'state', 'owner', 'priority', 'max_stalled', 'payload',
@@ -252,5 +288,14 @@ local seq, cursor = base .. 'seq', base .. 'cursor'
 if not charge and redis.call('EXISTS', wake, head, seq, cursor) > 0
     and redis.call('ZCARD', pending) == 0 and redis.call('EXISTS', lanes) == 0 then
   redis.call('DEL', wake, head, seq, cursor)
+end
+if not charge and registry then
+  local registered = redis.call('SCARD', registry)
+  if registered > 0 then
+    out[#out + 1] = ''
+    out[#out + 1] = 'expiring'
+    out[#out + 1] = registered
+    out[#out + 1] = false
+  end
 end
 return out
