@@ -677,6 +677,9 @@ class JobStoreModel(RuleBasedStateMachine):
                 expected.append(swept)
                 front.append(job if swept.outcome == "recovered" else None)
         self._to_front(front)
+        if not self._in("pending") and not self.lanes:
+            # A queue with nothing to order loses its markers and cursor, as after a claim.
+            self.wake, self.cursor = 0, ""
         swept = self.store.sweep(
             QUEUE, DEFAULT_BUDGET, limit=limit, now_ms=self.now, max_lapsed=MAX_LAPSED
         )
