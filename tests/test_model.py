@@ -68,6 +68,8 @@ HISTORY = 20
 DEFAULT_BUDGET = 1
 #: Lapses before a start the model's sweeps forgive (``max_lapsed``).
 MAX_LAPSED = 2
+#: Lanes a sweep looks at for a claimable job when the wake list is empty (sweep.lua).
+LANES_LOOKED = 8
 METRICS = ("completed", "recovered", "stalled", "failed", "retried")
 #: Which claim a settle names (see ``JobStoreModel._claims_of``).
 KINDS = ("live", "fenced", "lapsed", "any")
@@ -677,13 +679,22 @@ class JobStoreModel(RuleBasedStateMachine):
                 expected.append(swept)
                 front.append(job if swept.outcome == "recovered" else None)
         self._to_front(front)
-        if not self._in("pending") and not self.lanes:
-            # A queue with nothing to order loses its markers and cursor, as after a claim.
-            self.wake, self.cursor = 0, ""
+        self._swept_markers()
         swept = self.store.sweep(
             QUEUE, DEFAULT_BUDGET, limit=limit, now_ms=self.now, max_lapsed=MAX_LAPSED
         )
         assert swept == expected
+
+    def _swept_markers(self) -> None:
+        """What every sweep pass (not a charge) does last to the wake list and cursor."""
+        if not self._in("pending") and not self.lanes:
+            # A queue with nothing to order loses its markers and cursor, as after a claim.
+            self.wake, self.cursor = 0, ""
+        elif self.wake == 0 and (
+            self._lane("") or any(self._lane(g) for g in sorted(self.lanes)[:LANES_LOOKED])
+        ):
+            # Jobs wait with no marker (one was lost): the sweep pushes one.
+            self.wake = 1
 
     @precondition(lambda self: self._lapsed(1))
     @rule(limit=LIMITS)
@@ -752,6 +763,11 @@ class JobStoreModel(RuleBasedStateMachine):
         doomed += dead[len(doomed) :][: max(0, len(dead) - len(doomed) - max_size)]
         for job in doomed:
             job.state = "gone"
+        due = sorted(
+            (j for j in self._in("delayed") if j.eta <= self.now), key=lambda j: (j.eta, j.id)
+        )
+        self._promote(due)
+        self._swept_markers()
         swept = self.store.sweep(
             QUEUE,
             DEFAULT_BUDGET,
@@ -760,7 +776,9 @@ class JobStoreModel(RuleBasedStateMachine):
             dead_max_age_ms=max_age_ms,
             dead_max_size=max_size,
         )
-        assert sorted((s.id, s.outcome) for s in swept) == sorted((j.id, "trimmed") for j in doomed)
+        assert sorted((s.id, s.outcome) for s in swept) == sorted(
+            [(j.id, "trimmed") for j in doomed] + [(j.id, "promoted") for j in due]
+        )
 
     # -- the server forgets its last writes ------------------------------------------
 

@@ -361,3 +361,34 @@ def test_a_sweep_given_the_registry_says_when_x_expires_queues_are_registered(
     assert store.sweep("q", 1, now_ms=2000, registry=True) == [Swept("", "expiring", 1, b"")]
     # Not asked, not read.
     assert store.sweep("q", 1, now_ms=3000) == []
+
+
+def test_a_sweep_pass_gives_back_a_lost_wake_marker(store: JobStore, client: redis.Redis) -> None:
+    # A consumer that popped a marker and died before its claim leaves jobs with
+    # none: the next sweep pushes one, so an idle consumer's long wait ends.
+    k = store.keys("q")
+    store.enqueue("q", "a", b"{}", now_ms=1000)
+    store.enqueue("q", "g", b"{}", group="g1", now_ms=1000)
+    client.delete(k.wake)
+    store.sweep("q", 1, now_ms=2000)
+    assert client.llen(k.wake) == 1
+    # Markers already there: none more.
+    store.sweep("q", 1, now_ms=3000)
+    assert client.llen(k.wake) == 1
+    # Only a lane waits: a marker for it too.
+    client.zrem(k.pending, "a")
+    client.delete(k.wake)
+    store.sweep("q", 1, now_ms=4000)
+    assert client.llen(k.wake) == 1
+
+
+def test_a_sweep_pass_pushes_no_marker_for_an_empty_lane(
+    store: JobStore, client: redis.Redis
+) -> None:
+    k = store.keys("q")
+    store.enqueue("q", "g", b"{}", group="g1", now_ms=1000)
+    client.zrem(k.lane("g1"), "g")  # the lane's job gone, its group still listed
+    client.delete(k.wake)
+    store.sweep("q", 1, now_ms=2000)
+    assert client.exists(k.lanes) == 1
+    assert client.llen(k.wake) == 0

@@ -35,7 +35,8 @@
   Retention: a pass that examines lapsed claims (not a charge) then deletes up to `limit`
   dead jobs past the morgue's age or size bounds, oldest deaths first (outcome trimmed,
   stalled 0): every sweep applies it, whether or not a job died since the last. Such a pass
-  also drops the ordering keys (wake, head, seq, cursor) of a queue with nothing pending.
+  also drops the ordering keys (wake, head, seq, cursor) of a queue with nothing pending,
+  and pushes one wake marker when claimable jobs wait and the wake list is empty.
   Counters end COUNTER_TTL_MS after their last change (every script that counts renews it).
   Outage rule: `<base>swept` (HASH at, from, to) keeps when sweeps ran. A live worker
   renews at least every half lease, so its lease lapses only if Redis did not hear from
@@ -107,6 +108,8 @@ local function front(i, priority)
   end
   return tonumber(priority or '0') * BAND - (top - (i - first))
 end
+-- Lanes a sweep looks at for a claimable job when the wake list is empty.
+local LANES_LOOKED = 8
 local out = {}
 local delayed = base .. 'delayed'
 if not charge and redis.call('EXISTS', delayed) == 1 then
@@ -284,10 +287,31 @@ if in_morgue > 0 then
   end
 end
 -- Nothing waits: the ordering keys go, as a claim that drains the queue drops them.
+-- Jobs wait but no marker says so (a consumer popped one and died before its claim):
+-- one marker wakes a waiting consumer, so a lost marker delays a job by a sweep
+-- interval at most, however long the consumers' idle waits. (Lanes: the first
+-- LANES_LOOKED groups are looked at; a marker is pushed only for a claimable job.)
 local seq, cursor = base .. 'seq', base .. 'cursor'
-if not charge and redis.call('EXISTS', wake, head, seq, cursor) > 0
-    and redis.call('ZCARD', pending) == 0 and redis.call('EXISTS', lanes) == 0 then
-  redis.call('DEL', wake, head, seq, cursor)
+if not charge then
+  local has_lanes = redis.call('EXISTS', lanes) == 1
+  if redis.call('ZCARD', pending) == 0 and not has_lanes then
+    if redis.call('EXISTS', wake, head, seq, cursor) > 0 then
+      redis.call('DEL', wake, head, seq, cursor)
+    end
+  elseif redis.call('LLEN', wake) == 0 then
+    local claimable = redis.call('ZCARD', pending) > 0
+    if not claimable then
+      for _, group in ipairs(redis.call('ZRANGE', lanes, 0, LANES_LOOKED - 1)) do
+        if redis.call('ZCARD', base .. 'g:' .. group .. ':pending') > 0 then
+          claimable = true
+          break
+        end
+      end
+    end
+    if claimable then
+      redis.call('LPUSH', wake, 1)
+    end
+  end
 end
 if not charge and registry then
   local registered = redis.call('SCARD', registry)
