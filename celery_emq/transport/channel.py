@@ -35,15 +35,20 @@ class Channel(Consuming, Publishing):
             # wakes for that job. Otherwise the wait (an idle one lasts
             # seconds) is not sat through: a blocked BRPOP whose connection
             # closes pops nothing.
+            # A connection reset meanwhile (a restart, a failover) is dropped
+            # too: the close goes on, or kombu would read the dead wait again.
             queue = None
             try:
                 if self._in_poll.can_read(timeout=0):
                     queue = self._brpop_reply()
-                else:
-                    connection, self._in_poll = self._in_poll, None
-                    connection.disconnect()
             except Exception:
                 queue = None
+            connection, self._in_poll = self._in_poll, None
+            if connection is not None:
+                try:
+                    connection.disconnect()
+                except Exception:  # pragma: no cover - a socket already gone
+                    pass
             if queue is not None:
                 self._give_back_marker(queue)
         super().close()

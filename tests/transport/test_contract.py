@@ -761,6 +761,34 @@ def test_closing_a_consumer_in_its_idle_wait_does_not_wait_it_out(
     assert [b for b, _ in got] == ["after"]
 
 
+def test_closing_after_the_wait_connection_was_reset_closes_the_channel(
+    connect: ConnFactory,
+) -> None:
+    # Redis restarted (or failed over) during the idle wait and the worker
+    # reconnects through another connection: the old channel must still close.
+    conn, q = connect(idle_wait_s=30), queue()
+    channel = conn.channel()
+    consumer = Consumer(channel, [q], callbacks=[lambda body, message: None], accept=["json"])
+    consumer.consume()
+    for _ in range(3):  # the first look at the queue, then into the long wait
+        try:
+            conn.drain_events(timeout=0.3)
+        except TimeoutError:
+            pass
+    assert channel._in_poll
+    # Only this channel's own connection (other clients share the server), on
+    # the server it waits on (a Cluster's node, a Sentinel's master).
+    sock = channel._in_poll._sock
+    host, port = sock.getsockname()[:2]
+    server_host, server_port = sock.getpeername()[:2]
+    with redis.Redis(host=server_host, port=server_port) as server:
+        server.client_kill_filter(addr=f"{host}:{port}")
+    time.sleep(0.2)
+    channel.close()
+    assert channel.closed
+    assert not channel._in_poll
+
+
 def test_a_queue_consumed_during_the_idle_wait_is_waited_on_at_once(
     connect: ConnFactory,
 ) -> None:
