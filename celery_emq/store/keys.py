@@ -31,10 +31,10 @@ key                             type    content                           ends
                                         claimable; consumers block on it  pending (claim, sweep)
                                         with BRPOP, then claim
 ``<p>:{q}:soon``                LIST    one marker at most: a delayed     popped by a consumer
-                                        job due before every other was    (BRPOP)
-                                        enqueued; waiting consumers,
-                                        whose wait ends when the
-                                        earliest known job is due, scan
+                                        job due before every other was    (BRPOP); expires 60 s
+                                        enqueued; waiting consumers,      after its push; a purge
+                                        whose wait ends when the          leaving nothing delayed
+                                        earliest known job is due, scan   deletes it
                                         again
 ``<p>:{q}:hold``                LIST    never written: a consumer that    never exists
                                         holds a suspect waits on it (a

@@ -145,3 +145,16 @@ def test_scan_reports_when_the_next_delayed_job_is_due(store: JobStore) -> None:
     # On the server's clock, from the scan: at most the 20 s ahead, less the time taken.
     assert 19_000 < scan.next_due_ms <= 20_000
     assert store.scan(["q3"]).next_due_ms is None
+
+
+def test_a_soon_marker_no_consumer_pops_has_an_end(store: JobStore, client: redis.Redis) -> None:
+    # No consumer waits (none runs, or all are busy): the marker must not stay
+    # for ever, and a purge that leaves nothing delayed takes it with it.
+    k = store.keys("q")
+    store.enqueue("q", "a", b"{}", eta_ms=5000, now_ms=1000)
+    assert 0 < client.pttl(k.soon) <= 60_000
+    client.delete(k.soon)
+    store.enqueue_many("q", [NewJob("b", b"{}", eta_ms=2000)], now_ms=1000)
+    assert 0 < client.pttl(k.soon) <= 60_000
+    store.purge("q")
+    assert client.exists(k.soon) == 0

@@ -64,6 +64,9 @@ if eta_ms and eta_ms > now_ms then
   local first = redis.call('ZRANGE', delayed, 0, 0, 'WITHSCORES')
   if (not first[2] or eta_ms < tonumber(first[2])) and redis.call('EXISTS', base .. 'soon') == 0 then
     redis.call('LPUSH', base .. 'soon', 1)
+    -- Not popped (no consumer waits) it goes: a consumer's next look, or the
+    -- sweep, finds the due time anyway.
+    redis.call('PEXPIRE', base .. 'soon', 60000)
   end
   redis.call('ZADD', delayed, eta_ms, id)
 else

@@ -143,6 +143,7 @@ if claimable > 0 then
 end
 if sooner and redis.call('EXISTS', base .. 'soon') == 0 then
   redis.call('LPUSH', base .. 'soon', 1)
+  redis.call('PEXPIRE', base .. 'soon', 60000)  -- as in enqueue.lua
 end
 -- Rows never expire one by one: an x-expires queue expires as a whole once
 -- unused for ttl_ms (the sweep purges it when this key is gone).

@@ -66,6 +66,9 @@ if redis.call('ZCARD', pending) == 0 and redis.call('EXISTS', lanes) == 0 then
 else
   redis.call('LTRIM', wake, 0, -(claimable + 1))
 end
+if redis.call('EXISTS', delayed) == 0 then
+  redis.call('DEL', base .. 'soon')  -- nothing delayed: no due time to signal
+end
 if expired and redis.call('EXISTS', pending, lanes, delayed, base .. 'active', base .. 'dead') == 0 then
   local leftovers = {etas, base .. 'swept', base .. 'migrated'}
   for i = 3, #ARGV do
