@@ -277,7 +277,9 @@ class WakingChannel(Channel):
             # is woken for a scan once the hold may be over.
             self._in_poll = self.client.connection
             self._brpop_sent_at = monotonic()
-            timer = threading.Timer(min(hold_s, self._wait_s), self._signal)
+            # Nothing signals the start of the suspect's task: look again as often
+            # as the single-server wait does (its brpop_timeout), not an idle wait.
+            timer = threading.Timer(min(hold_s, self._scan_interval_s), self._signal)
             timer.daemon = True
             timer.start()
             return
