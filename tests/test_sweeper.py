@@ -343,3 +343,22 @@ def test_the_expiry_pass_runs_only_when_the_sweep_saw_expiring_queues(
             break
         time.sleep(0.05)
     assert expired == [1]
+
+
+def test_the_sweep_thread_promotes_a_job_when_it_falls_due_between_passes(
+    store: JobStore, client: redis.Redis
+) -> None:
+    # The consumer that learned a delayed job's due time may be busy when it
+    # comes: the process's sweep, told of the time, promotes it then, not at
+    # its next regular pass.
+    thread = SweepThread()
+    thread.watch(Sweeper(store, EmqOptions(sweep_interval_s=30, lease_ms=120_000)), "q")
+    now_ms = int(client.time()[0]) * 1000
+    store.enqueue("q", "a", b"{}", eta_ms=now_ms + 1500)
+    thread.due_in(1.5)
+    deadline = time.monotonic() + 6
+    while store.counts("q")["pending"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert store.counts("q") == {"pending": 1, "active": 0, "delayed": 0, "dead": 0}
+    assert client.llen(store.keys("q").wake) == 1
+    thread.unwatch_store(store)

@@ -55,9 +55,7 @@ class Consuming(StoreChannel):
         # the content the consumer will decode (Celery's accept_content).
         self._accept[queue] = getattr(getattr(callback, "__self__", None), "accept", None)
         ret = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
-        if queue not in self._fanout_queues and self._in_poll:
-            # The wait in flight names only the queues consumed when it began.
-            self._nudge()
+        nudge = queue not in self._fanout_queues and self._in_poll
         if not no_ack and queue not in self._fanout_queues:
             # Inside a worker, once it is ready, settles wait this long for company.
             batcher().delay_ms = self.emq.settle_delay_ms
@@ -69,6 +67,14 @@ class Consuming(StoreChannel):
             # by a lost marker, a delayed job due soon).
             self._next_scan_at = 0.0
             sweep_thread().watch(self.sweeper, queue)
+        if nudge:
+            # The wait in flight names only the queues consumed when it began;
+            # last, so a failed nudge leaves the queue registered and swept (the
+            # wait then ends within idle_wait_s anyway).
+            try:
+                self._nudge()
+            except self.connection_errors:
+                logger.debug("celery_emq: could not cut the wait short", exc_info=True)
         return ret
 
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
@@ -227,10 +233,15 @@ class Consuming(StoreChannel):
         now = monotonic()
         if not woken or now - self._scanned_at >= self._scan_interval_s:
             self._scanned_at = now
+            # A scan that raises is not tried again at once by every wait.
+            self._next_scan_at = now + self._scan_interval_s
             scan = self._scan(self.active_queues)
             wait_s = self._idle_wait_s
             if scan.next_due_ms is not None:
                 wait_s = min(wait_s, scan.next_due_ms / 1000)
+                # Due while this channel may be busy: the process's sweep
+                # (if it sweeps these queues) promotes it then.
+                sweep_thread().due_in(scan.next_due_ms / 1000)
             self._next_scan_at = now + wait_s
             for q in scan.waiting:
                 if self._claim_and_deliver(q, held=0):

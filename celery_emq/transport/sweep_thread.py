@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 from functools import partial
+from time import monotonic
 
 from celery_emq.store.jobstore import JobStore
 from celery_emq.store.nodes import Lanes, Troubles
@@ -21,6 +22,12 @@ from celery_emq.transport.sweeper import Sweeper, SweepReport
 __all__ = ["SweepThread", "sweep_thread"]
 
 logger = logging.getLogger(__name__)
+
+#: A pass for a delayed job falling due runs this long after its time (the
+#: consumer that learned the time usually claims it first)...
+DUE_SLACK_S = 0.2
+#: ...and at least this long after the last pass.
+DUE_GAP_S = 1.0
 
 
 class SweepThread:
@@ -32,6 +39,8 @@ class SweepThread:
         self._interval_s: float | None = None
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
+        self._due_at: float | None = None
+        self._passed_at = 0.0
         self._lanes: Lanes[str] = Lanes("celery_emq-sweep")
         self._expiry: Lanes[str] = Lanes("celery_emq-expire")
         self._troubles = Troubles()
@@ -119,10 +128,39 @@ class SweepThread:
         self._expiry.run(expiring, 0)
         return reports
 
+    def due_in(self, seconds: float) -> None:
+        """Sweep once a delayed job a consumer of this process learned of is due.
+
+        The pass promotes it and pushes its wake marker, so a waiting consumer
+        claims it on time even when the one that learned the time (its wait
+        ends then) has since become busy, or closed.
+        """
+        at = monotonic() + max(seconds, 0.0) + DUE_SLACK_S
+        with self._lock:
+            at = max(at, self._passed_at + DUE_GAP_S)
+            if self._due_at is None or at < self._due_at:
+                self._due_at = at
+                self._wake.set()
+
     def _run(self) -> None:
+        next_pass = monotonic() + (self._interval_s or 5.0)
         while True:
-            self._wake.wait(self._interval_s or 5.0)
+            with self._lock:
+                due_at = self._due_at
+            deadline = next_pass if due_at is None else min(next_pass, due_at)
+            self._wake.wait(max(0.0, deadline - monotonic()))
             self._wake.clear()
+            now = monotonic()
+            with self._lock:
+                due_at = self._due_at
+                due = due_at is not None and due_at <= now
+                if due:
+                    self._due_at = None
+            if now < next_pass and not due:
+                continue  # an earlier due time came in: wait for it
+            # Passes stay at most an interval apart, a due one included.
+            next_pass = now + (self._interval_s or 5.0)
+            self._passed_at = now
             if self._queues:
                 # No time given: the scripts read the Redis server's clock.
                 self.run_once()
