@@ -175,7 +175,10 @@ def test_a_hung_node_delays_no_other_nodes_sweep_nor_the_expiry_pass(
     interval_s = 2.5
     options = EmqOptions(sweep_interval_s=interval_s, max_stalled=5)
     sweeps = SweepThread()
-    sweeps.watch(Sweeper(sick, options, CeleryFollowUp(app)), "celery")
+    sick_sweeper = Sweeper(sick, options, CeleryFollowUp(app))
+    # As if its last sweep saw x-expires queues registered: the expiry pass runs.
+    sick_sweeper.expiring = True
+    sweeps.watch(sick_sweeper, "celery")
     sweeps.watch(Sweeper(healthy, options, CeleryFollowUp(app)), "celery")
     began = time.monotonic()
     [report] = sweeps.run_once(now_ms=10_000)
