@@ -761,6 +761,7 @@ def test_closing_a_consumer_in_its_idle_wait_does_not_wait_it_out(
     assert [b for b, _ in got] == ["after"]
 
 
+@pytest.mark.skipif(CLUSTER, reason="a Cluster channel waits in its wakers' threads")
 def test_closing_after_the_wait_connection_was_reset_closes_the_channel(
     connect: ConnFactory,
 ) -> None:
