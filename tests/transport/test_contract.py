@@ -736,6 +736,16 @@ def test_a_process_holding_a_suspect_still_hears_broadcasts_and_does_not_spin(
     assert store.counts("q")["active"] == 0
 
 
+def into_the_idle_wait(conn: Connection, channel: Any) -> None:
+    """Drain until ``channel`` sits in its long wait (after its first look at its queues)."""
+    for _ in range(3):
+        try:
+            conn.drain_events(timeout=0.3)
+        except TimeoutError:
+            pass
+    assert channel._in_poll
+
+
 def test_closing_a_consumer_in_its_idle_wait_does_not_wait_it_out(
     connect: ConnFactory, store: JobStore
 ) -> None:
@@ -744,12 +754,7 @@ def test_closing_a_consumer_in_its_idle_wait_does_not_wait_it_out(
     channel = conn.channel()
     consumer = Consumer(channel, [q], callbacks=[lambda body, message: None], accept=["json"])
     consumer.consume()
-    for _ in range(3):  # the first look at the queue, then into the long wait
-        try:
-            conn.drain_events(timeout=0.3)
-        except TimeoutError:
-            pass
-    assert channel._in_poll
+    into_the_idle_wait(conn, channel)
     began = time.monotonic()
     channel.close()
     # The wait had about 7 s to run.
@@ -771,12 +776,7 @@ def test_closing_after_the_wait_connection_was_reset_closes_the_channel(
     channel = conn.channel()
     consumer = Consumer(channel, [q], callbacks=[lambda body, message: None], accept=["json"])
     consumer.consume()
-    for _ in range(3):  # the first look at the queue, then into the long wait
-        try:
-            conn.drain_events(timeout=0.3)
-        except TimeoutError:
-            pass
-    assert channel._in_poll
+    into_the_idle_wait(conn, channel)
     # Only this channel's own connection (other clients share the server), on
     # the server it waits on (a Cluster's node, a Sentinel's master).
     sock = channel._in_poll._sock
@@ -800,12 +800,7 @@ def test_a_queue_consumed_during_the_idle_wait_is_waited_on_at_once(
     channel = conn.channel()
     got: list[Any] = []
     Consumer(channel, [q1], callbacks=[lambda b, m: got.append(b)], accept=["json"]).consume()
-    for _ in range(3):  # the first look at the queue, then into the long wait
-        try:
-            conn.drain_events(timeout=0.3)
-        except TimeoutError:
-            pass
-    assert channel._in_poll
+    into_the_idle_wait(conn, channel)
     Consumer(
         channel, [q2], callbacks=[lambda b, m: got.append(b)], accept=["json"], no_ack=True
     ).consume()
