@@ -293,13 +293,12 @@ end
 -- LANES_LOOKED groups are looked at; a marker is pushed only for a claimable job.)
 local seq, cursor = base .. 'seq', base .. 'cursor'
 if not charge then
-  local has_lanes = redis.call('EXISTS', lanes) == 1
-  if redis.call('ZCARD', pending) == 0 and not has_lanes then
+  local claimable = redis.call('ZCARD', pending) > 0
+  if not claimable and redis.call('EXISTS', lanes) == 0 then
     if redis.call('EXISTS', wake, head, seq, cursor) > 0 then
       redis.call('DEL', wake, head, seq, cursor)
     end
   elseif redis.call('LLEN', wake) == 0 then
-    local claimable = redis.call('ZCARD', pending) > 0
     if not claimable then
       for _, group in ipairs(redis.call('ZRANGE', lanes, 0, LANES_LOOKED - 1)) do
         if redis.call('ZCARD', base .. 'g:' .. group .. ':pending') > 0 then
