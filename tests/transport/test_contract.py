@@ -736,6 +736,16 @@ def test_a_process_holding_a_suspect_still_hears_broadcasts_and_does_not_spin(
     assert store.counts("q")["active"] == 0
 
 
+def in_the_idle_wait(connect: ConnFactory) -> tuple[Connection, Queue, Any]:
+    """A consumer of a new queue sitting in a 30 s idle wait: its connection, queue, channel."""
+    conn, q = connect(idle_wait_s=30), queue()
+    channel = conn.channel()
+    consumer = Consumer(channel, [q], callbacks=[lambda body, message: None], accept=["json"])
+    consumer.consume()
+    into_the_idle_wait(conn, channel)
+    return conn, q, channel
+
+
 def into_the_idle_wait(conn: Connection, channel: Any) -> None:
     """Drain until ``channel`` sits in its long wait (after its first look at its queues)."""
     for _ in range(3):
@@ -750,11 +760,7 @@ def test_closing_a_consumer_in_its_idle_wait_does_not_wait_it_out(
     connect: ConnFactory, store: JobStore
 ) -> None:
     # An idle wait lasts seconds: a warm shutdown must not sit through it.
-    conn, q = connect(idle_wait_s=30), queue()
-    channel = conn.channel()
-    consumer = Consumer(channel, [q], callbacks=[lambda body, message: None], accept=["json"])
-    consumer.consume()
-    into_the_idle_wait(conn, channel)
+    _, q, channel = in_the_idle_wait(connect)
     began = time.monotonic()
     channel.close()
     # The wait had about 7 s to run.
@@ -772,11 +778,7 @@ def test_closing_after_the_wait_connection_was_reset_closes_the_channel(
 ) -> None:
     # Redis restarted (or failed over) during the idle wait and the worker
     # reconnects through another connection: the old channel must still close.
-    conn, q = connect(idle_wait_s=30), queue()
-    channel = conn.channel()
-    consumer = Consumer(channel, [q], callbacks=[lambda body, message: None], accept=["json"])
-    consumer.consume()
-    into_the_idle_wait(conn, channel)
+    _, _, channel = in_the_idle_wait(connect)
     # Only this channel's own connection (other clients share the server), on
     # the server it waits on (a Cluster's node, a Sentinel's master).
     sock = channel._in_poll._sock
