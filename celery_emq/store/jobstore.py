@@ -17,7 +17,7 @@ from celery_emq.errors import ReplicasUnconfirmedError
 from celery_emq.store.base import METRICS, PURGE_BATCH
 from celery_emq.store.batch import Batch
 from celery_emq.store.codec import pack
-from celery_emq.store.outcomes import UNSET, Claimed, NewJob, Outcome, Scan, Swept, Unset
+from celery_emq.store.outcomes import UNSET, Claims, NewJob, Outcome, Scan, Swept, Unset
 from celery_emq.store.reads import ACTIVE_PAGE, LANE_PAGE, OLDEST_LANE_PAGE, Reads
 from celery_emq.store.registry import Registry
 
@@ -160,7 +160,7 @@ class JobStore(Reads, Registry):
         ttl_ms: int = 0,
         now_ms: int | None = None,
         alone: bool = True,
-    ) -> list[Claimed]:
+    ) -> Claims:
         """Claim up to ``count`` jobs in priority/FIFO order under a lease.
 
         Each :class:`Claimed` carries its fencing token, the claim id
@@ -168,7 +168,8 @@ class JobStore(Reads, Registry):
         which every later settle of that claim names. A job that lapsed before
         its task started is taken only ``alone`` (the caller holds no other
         claim, as a caller that does not say is taken to), in a batch of its
-        own; the batch stops before it otherwise.
+        own; the batch stops before it otherwise, and says so
+        (:attr:`Claims.suspect_waits`).
         """
         return self.scripts.claim(
             self.keys(queue), now_ms, self.lease_ms, owner, count, held, ttl_ms, alone

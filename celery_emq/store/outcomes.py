@@ -13,6 +13,7 @@ from dataclasses import dataclass
 __all__ = [
     "UNSET",
     "Claimed",
+    "Claims",
     "NewJob",
     "Outcome",
     "Scan",
@@ -76,6 +77,17 @@ class Claimed:
     #: handed out alone: the job lapsed before its task ever started, so it may be
     #: a message that kills its worker while it is received
     suspect: bool = False
+
+
+class Claims(list[Claimed]):
+    """What one ``claim`` handed out, in order.
+
+    ``suspect_waits`` is set when the batch stopped before a job that lapsed
+    before its task started, which the caller could not take: it held other
+    claims, or had said it was not alone.
+    """
+
+    suspect_waits: bool = False
 
 
 @dataclass(frozen=True)

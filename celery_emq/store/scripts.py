@@ -37,6 +37,7 @@ from celery_emq.store.loader import SCRIPT_NAMES, Loaded, script_source
 from celery_emq.store.outcomes import (
     UNSET,
     Claimed,
+    Claims,
     NewJob,
     Outcome,
     Swept,
@@ -56,6 +57,7 @@ __all__ = [
     "UNSET",
     "Batch",
     "Claimed",
+    "Claims",
     "NewJob",
     "Outcome",
     "Scripts",
@@ -159,12 +161,13 @@ class Scripts(Loaded):
         held: int = 0,
         ttl_ms: int = 0,
         alone: bool = True,
-    ) -> list[Claimed]:
+    ) -> Claims:
         """Claim up to ``count`` jobs, leasing each to ``owner`` under a fresh claim id.
 
         A job that lapsed before its task started is claimed only ``alone``
         (the caller holds no other claim), and only as the first of the batch:
-        a batch of its own, its :class:`Claimed` marked ``suspect``.
+        a batch of its own, its :class:`Claimed` marked ``suspect``; a batch
+        that stopped before one it could not take says so (``suspect_waits``).
         """
         nonce = new_nonce()
         reply = self.run(
@@ -172,9 +175,12 @@ class Scripts(Loaded):
             [k.pending, k.active, k.wake, k.seq, k.head, k.lanes, k.cursor, k.expires, k.base],
             [time_arg(now_ms), lease_ms, owner, count, held, ttl_ms, nonce, int(alone)],
         )
+        waits = len(reply) % 6 == 1 and text(reply[-1]) == "suspect"
+        if waits:
+            reply = reply[:-1]
         if len(reply) % 6:
             raise ScriptContractError(f"claim.lua answered {len(reply)} items")
-        return [
+        out = Claims(
             Claimed(
                 text(reply[i]),
                 reply[i + 1],
@@ -185,7 +191,9 @@ class Scripts(Loaded):
                 bool(int(reply[i + 5])),
             )
             for i in range(0, len(reply), 6)
-        ]
+        )
+        out.suspect_waits = waits
+        return out
 
     def start(self, k: QueueKeys, job_id: str, token: str) -> Outcome:
         """Record that the claim ``token`` of a job started its task."""

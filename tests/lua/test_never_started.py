@@ -114,6 +114,24 @@ def test_a_suspect_stops_a_batch_and_keeps_its_place_and_those_after_it(
     assert client.zrange(k.active, 0, -1) == [b"a", b"c", b"d", b"p"]
 
 
+def test_a_claim_says_when_a_suspect_it_could_not_take_stopped_it(store: JobStore) -> None:
+    enqueue(store, "q", ["a", "p", "c"])
+    suspect(store, "q", "p")
+
+    def claim(alone: bool) -> tuple[list[str], bool]:
+        got = store.claim("q", "w1", count=10, now_ms=T0, alone=alone)
+        return [c.id for c in got], got.suspect_waits
+
+    # Stopped behind another job of the batch, or first in line but not alone.
+    assert claim(alone=True) == (["a"], True)
+    assert claim(alone=False) == ([], True)
+    # Taken: nothing was left waiting for it.
+    assert claim(alone=True) == (["p"], False)
+    assert claim(alone=False) == (["c"], False)
+    # An empty queue stops nothing.
+    assert claim(alone=False) == ([], False)
+
+
 def test_a_suspect_in_a_lane_goes_back_to_its_lane(store: JobStore, client: redis.Redis) -> None:
     enqueue(store, "q", ["g1", "g2"], group="t1")
     suspect(store, "q", "g2")

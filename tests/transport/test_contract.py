@@ -633,6 +633,40 @@ def test_acks_waiting_to_be_sent_go_before_a_suspect_is_claimed(
     assert keeper().held_count(prefix) == 0
 
 
+def test_acks_waiting_for_company_stay_queued_while_plain_jobs_are_claimed(
+    connect: ConnFactory, store: JobStore, prefix: str, own_keeper: LeaseKeeper
+) -> None:
+    # Only a suspect needs them sent first: sending them before every claim
+    # would put one more round trip between an enqueue and its task's start.
+    conn, q = connect(), queue()
+    publish(conn, q, ["first"])
+    got: list[Any] = []
+
+    def on_message(body: Any, message: Any) -> None:
+        got.append(body)
+        message.ack()
+
+    b = batcher()
+    saved = (b.delay_ms, b.deferring)
+    try:
+        with Consumer(conn.channel(), [q], callbacks=[on_message], accept=["json"]):
+            b.delay_ms, b.deferring = 60_000, True  # as in a ready worker, but slow
+            consume_until(conn, got, 1, 5)
+            sends = b.sends
+            assert b.queued() == 1
+            publish(conn, q, ["second"])
+            consume_until(conn, got, 2, 5)
+            assert got == ["first", "second"]
+            # Both acks wait together; none was sent for the second claim.
+            assert (b.sends, b.queued()) == (sends, 2)
+            assert store.counts("q")["active"] == 2
+    finally:
+        b.flush()
+        b.delay_ms, b.deferring = saved
+    assert store.counts("q") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
+    assert keeper().held_count(prefix) == 0
+
+
 #: What a message is published with: kombu must give every part of it back.
 PUBLISHED_HEADERS = {"x-trace": "t-1", "n": 3, "nested": {"a": [1, 2]}, "emq_group_like": "no"}
 PUBLISHED_PROPERTIES = {"priority": 7, "correlation_id": "c-1", "reply_to": "replies"}

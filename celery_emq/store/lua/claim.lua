@@ -19,7 +19,8 @@
   Returns a flat array: id, message, stalled, deliveries, revoked, suspect, ... per
   claimed job (the message as stored, see celery_emq/codec.py; revoked is 1 for a
   delayed job promoted by a revoke, else 0; suspect is 1 for a job handed out alone
-  because it lapsed before its task started, else 0).
+  because it lapsed before its task started, else 0), and one more item, 'suspect',
+  when the batch stopped before a suspect it could not take (see below).
   Each claim's fencing token is its claim id, `<deliveries>.<nonce>`, kept in the
   row's `claim` field: every later settle names it. The delivery count alone can
   repeat when the server loses its last writes; the nonce cannot.
@@ -103,12 +104,14 @@ local function put_back(i)
 end
 
 local out = {}
+local stopped = false
 for i, id in ipairs(ids) do
   local job = base .. 'job:' .. id
   local row = redis.call('HMGET', job, 'state', 'stalled', 'payload', 'revoked', 'lapsed')
   local suspect = tonumber(row[5] or '0') > 0
   if suspect and (#out > 0 or not alone) then
     put_back(i)
+    stopped = true
     break
   end
   -- A row can be missing only when a foreign writer deleted it: skip the id.
@@ -143,5 +146,8 @@ else
   if extra > 0 then
     redis.call('RPOP', wake, extra)
   end
+end
+if stopped then
+  out[#out + 1] = 'suspect'
 end
 return out
