@@ -207,6 +207,7 @@ class JobStoreModel(RuleBasedStateMachine):
 
     def _claim_model(self, owner: str, count: int, held: int, alone: bool = False) -> list[Claimed]:
         taken: list[Job] = []
+        rotating, served_before = bool(self.lanes), self.cursor
         if not self.lanes:
             taken = self._lane("")[:count]
             for job in taken:
@@ -238,6 +239,9 @@ class JobStoreModel(RuleBasedStateMachine):
                     if back.group:
                         self.lanes.add(back.group)
                 taken = taken[:keep]
+                if rotating:
+                    # The rotation resumes after the lane of the last job claimed.
+                    self.cursor = taken[-1].group if taken else served_before
                 break
         expected = []
         for job in taken:

@@ -132,6 +132,26 @@ def test_a_claim_says_when_a_suspect_it_could_not_take_stopped_it(store: JobStor
     assert claim(alone=False) == ([], False)
 
 
+def test_a_suspect_put_back_in_a_lane_keeps_its_lanes_turn(
+    store: JobStore, client: redis.Redis
+) -> None:
+    # A claim stopped by a suspect it could not take leaves the rotation where
+    # it was: the claim that may take it (alone, next) comes to its lane first,
+    # not to the lane after it, again and again while other lanes have jobs.
+    enqueue(store, "q", ["s"], group="a")
+    enqueue(store, "q", ["b1", "b2"], group="b")
+    suspect(store, "q", "s")
+    client.set(store.keys("q").cursor, "b")  # lane b served last: lane a's turn
+
+    def claim(alone: bool) -> list[str]:
+        return [c.id for c in store.claim("q", "w1", count=1, now_ms=T0, alone=alone)]
+
+    assert claim(alone=False) == []
+    assert claim(alone=True) == ["s"]
+    # Taken, it moved the rotation on: lane b is next.
+    assert claim(alone=False) == ["b1"]
+
+
 def test_a_suspect_in_a_lane_goes_back_to_its_lane(store: JobStore, client: redis.Redis) -> None:
     enqueue(store, "q", ["g1", "g2"], group="t1")
     suspect(store, "q", "g2")

@@ -49,6 +49,8 @@ end
 
 -- Each id popped, with its score and its group (false: the default lane).
 local ids, scores, groups = {}, {}, {}
+-- With lanes: the lane served last before this call (false: no rotation).
+local served_before = false
 if redis.call('EXISTS', lanes) == 0 then
   local popped = redis.call('ZPOPMIN', pending, count)
   for i = 1, #popped, 2 do
@@ -58,6 +60,7 @@ if redis.call('EXISTS', lanes) == 0 then
 else
   -- The rotation is: default lane (''), then each group in name order, around.
   local last = redis.call('GET', cursor) or ''
+  served_before = last
   local misses = 0
   while #ids < count and misses <= 1 do
     local nxt
@@ -91,8 +94,17 @@ else
   redis.call('SET', cursor, last)
 end
 
--- Put the ids from the i-th on back where they were, unclaimed.
+-- Put the ids from the i-th on back where they were, unclaimed; the rotation
+-- resumes after the lane of the last id claimed, so the lane of one put back
+-- is served first next time (a suspect waiting in a lane holds its turn).
 local function put_back(i)
+  if served_before then
+    local served = served_before
+    if i > 1 then
+      served = groups[i - 1] or ''
+    end
+    redis.call('SET', cursor, served)
+  end
   for j = i, #ids do
     local lane = pending
     if groups[j] then
