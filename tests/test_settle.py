@@ -292,6 +292,64 @@ def test_an_ack_queued_while_another_thread_flushes_is_not_lost(store: JobStore)
     assert store.job("q", "a") == {}
 
 
+def test_acks_on_their_way_still_count_as_waiting(
+    store: JobStore, owed_to: LeaseKeeper, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A consumer holding nothing may take a suspect only once no ack of this
+    # process can die with it: one taken by a send still under way can.
+    b = deferring(60_000)
+    [claim] = claims_of(store, "q", ["a"])
+    [tag] = owed_to.hold(store, "q", [(claim.job_id, claim.token)], 10_000)
+    assert b.alone() == (False, False)
+    b.ack_tags([tag])
+    assert owed_to.held_count() == 0 and b.alone() == (True, True)
+    in_send, go_on = threading.Event(), threading.Event()
+    send = b._send
+
+    def slow_send(acks: list[Claim], starts: list[Claim]) -> None:
+        in_send.set()
+        go_on.wait(ROUND_TRIP_WAIT_S)
+        send(acks, starts)
+
+    monkeypatch.setattr(b, "_send", slow_send)
+    sender = threading.Thread(target=b.flush)
+    sender.start()
+    try:
+        assert in_send.wait(ROUND_TRIP_WAIT_S)
+        assert b._acks == {} and b.alone() == (True, True)
+    finally:
+        go_on.set()
+        sender.join(ROUND_TRIP_WAIT_S)
+    assert b.alone() == (True, False)
+    assert store.job("q", "a") == {}
+
+
+def test_an_ack_leaves_the_keeper_and_joins_the_queue_in_one_step(
+    store: JobStore, owed_to: LeaseKeeper, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Read meanwhile from another thread (a pool thread acks while the
+    # consumer claims), the claim is never neither held nor waiting.
+    b = deferring(60_000)
+    [claim] = claims_of(store, "q", ["a"])
+    [tag] = owed_to.hold(store, "q", [(claim.job_id, claim.token)], 10_000)
+    seen: list[tuple[bool, bool]] = []
+    forget = owed_to.forget
+
+    def forget_while_read(t: str) -> Claim | None:
+        out = forget(t)
+        reader = threading.Thread(target=lambda: seen.append(b.alone()))
+        reader.start()
+        reader.join(0.2)  # it waits for the ack to be queued
+        return out
+
+    monkeypatch.setattr(owed_to, "forget", forget_while_read)
+    b.ack_tags([tag])
+    wait_until(lambda: len(seen) == 1)
+    assert seen == [(True, True)]
+    b.flush()
+    assert store.job("q", "a") == {}
+
+
 def test_an_ack_whose_cluster_cannot_be_reached_is_owed(
     owed_to: LeaseKeeper, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

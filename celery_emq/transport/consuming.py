@@ -302,22 +302,22 @@ class Consuming(StoreChannel):
         """
         if keeper().awaits_suspect():
             return []
-        alone = keeper().held_count() == 0
-        # Acks of claims already forgotten may still wait for company: were a
-        # suspect handed out now to kill this process, they would die unsent
-        # and their tasks run again. So the claim does not take one while they
-        # wait; only when a suspect is what stopped it are they sent first (one
-        # that fails is owed, and held again: then this process is not alone),
-        # and the claim tried again. Sending them before every claim would put
-        # a round trip before every delivery.
-        settles_wait = alone and batcher().queued() > 0
+        # Acks of claims already forgotten may still wait for company, or be on
+        # their way: were a suspect handed out now to kill this process, they
+        # would die unsent and their tasks run again. So the claim does not
+        # take one while they wait; only when a suspect is what stopped it are
+        # they sent first (one that fails is owed, and held again: then this
+        # process is not alone), and the claim tried again if nothing waits
+        # then. Sending them before every claim would put a round trip before
+        # every delivery.
+        alone, settles_wait = batcher().alone()
         ttl_ms = self._queue_ttl.get(queue, 0)
         claimed = self.store.claim(
             queue, self.owner, count, held=held, ttl_ms=ttl_ms, alone=alone and not settles_wait
         )
-        if not claimed and claimed.suspect_waits and settles_wait:
+        if not claimed and claimed.suspect_waits and alone and settles_wait:
             batcher().flush()
-            if keeper().held_count() == 0:
+            if batcher().alone() == (True, False):
                 # The marker popped (``held``) was not used: the first claim took nothing.
                 claimed = self.store.claim(
                     queue, self.owner, count, held=held, ttl_ms=ttl_ms, alone=True

@@ -6,9 +6,11 @@ acks, and the start records a worker writes for its prefork children, for up to
 ``settle_delay_ms`` and sends what it holds together: one ``ack`` script call per
 queue and one ``start`` call per record, in one pipeline per store (one round
 trip). It sends at once when it holds :data:`SETTLE_BATCH` settles, when a
-channel closes, when the process exits, and when a task is about to run in the
-process that holds its claim: that start record must reach Redis before the
-task's body runs, and it carries the queued acks with it.
+channel closes, when the process exits, when a task is about to run in the
+process that holds its claim (that start record must reach Redis before the
+task's body runs, and it carries the queued acks with it), and before the
+process takes a suspect (see ``Consuming._claim``): :meth:`SettleBatcher.alone`
+tells whether any ack could die with one.
 
 Outside a running worker (a plain kombu consumer, the CLI, a test) nothing
 waits: each settle is sent when it is made, as before.
@@ -71,6 +73,8 @@ class SettleBatcher:
         self._starts: dict[str, Claim] = {}
         #: When the queued settles must be sent (monotonic seconds), if any are.
         self._due: float | None = None
+        #: Settles taken by a send that has not returned yet.
+        self._sending = 0
         self._thread: threading.Thread | None = None
         self._lanes: Lanes[str] = Lanes("celery_emq-settle")
         #: The delay a worker's channels asked for (``settle_delay_ms``).
@@ -86,14 +90,29 @@ class SettleBatcher:
         return self.delay_ms if self.deferring else 0
 
     def queued(self) -> int:
-        """Return how many settles wait to be sent."""
+        """Return how many settles wait to be sent, or are being sent."""
         with self._lock:
-            return len(self._acks) + len(self._starts)
+            return len(self._acks) + len(self._starts) + self._sending
+
+    def alone(self) -> tuple[bool, bool]:
+        """Whether this process holds no claim, and whether settles of it wait to reach Redis.
+
+        Read in one step with :meth:`ack_tags`: no claim it acks is seen
+        neither held nor waiting.
+        """
+        with self._lock:
+            waiting = len(self._acks) + len(self._starts) + self._sending
+            return keeper().held_count() == 0, waiting > 0
 
     def ack(self, claims: Sequence[Claim]) -> None:
         """Ack finished claims (already forgotten by the keeper), now or within the delay."""
         if claims:
             self._queue("ack", claims)
+
+    def ack_tags(self, tags: Sequence[str]) -> None:
+        """Ack the held claims named by delivery ``tags``: forgotten and queued in one step."""
+        if tags:
+            self._queue("ack", (), forget=tags)
 
     def start(self, claim: Claim) -> None:
         """Record that a claim's task started, now or within the delay."""
@@ -108,9 +127,14 @@ class SettleBatcher:
         """
         self.flush(start=claim)
 
-    def _queue(self, kind: str, claims: Sequence[Claim]) -> None:
+    def _queue(self, kind: str, claims: Sequence[Claim], forget: Sequence[str] = ()) -> None:
         delay_ms = self.effective_delay_ms
         with self._lock:
+            if forget:
+                # Under this lock, so alone() never sees them neither held nor queued.
+                claims = [c for c in map(keeper().forget, forget) if c is not None]
+                if not claims:
+                    return
             # Looked up under the lock: a send takes the queues away and leaves new ones.
             into = self._acks if kind == "ack" else self._starts
             for c in claims:
@@ -136,13 +160,19 @@ class SettleBatcher:
                 acks, self._acks = self._acks, {}
                 starts, self._starts = self._starts, {}
                 self._due = None
-            if start is not None:
-                starts[delivery_tag(start.job_id, start.token)] = start
-            for tag in acks:
-                # The task finished: its start no longer matters.
-                starts.pop(tag, None)
-            if acks or starts:
-                self._send(list(acks.values()), list(starts.values()))
+                # Still waiting, as far as alone() is concerned, until sent or owed.
+                self._sending = len(acks) + len(starts)
+            try:
+                if start is not None:
+                    starts[delivery_tag(start.job_id, start.token)] = start
+                for tag in acks:
+                    # The task finished: its start no longer matters.
+                    starts.pop(tag, None)
+                if acks or starts:
+                    self._send(list(acks.values()), list(starts.values()))
+            finally:
+                with self._lock:
+                    self._sending = 0
 
     def _send(self, acks: list[Claim], starts: list[Claim]) -> None:
         """Send the settles of each server (each Cluster master) on its own lane, bounded.

@@ -214,8 +214,7 @@ class StoreChannel(ChannelCompat, kombu_redis.Channel):
 
     def _settle_many(self, tags: list[str]) -> None:
         """Ack deliveries: at once, or inside a worker with other settles (see settle.py)."""
-        claims = [c for c in map(keeper().forget, tags) if c is not None]
-        batcher().ack(claims)
+        batcher().ack_tags(tags)
 
     def _release(self, tag: str, unless_started: bool = False) -> None:
         keeper().release(tag, unless_started)

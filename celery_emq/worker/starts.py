@@ -108,9 +108,7 @@ def ack_success(sender: Any = None, **kwargs: Any) -> None:
     if claim is None:
         return
     job_id, token = claim
-    held = keeper().forget(delivery_tag(job_id, token))
-    if held is not None:
-        batcher().ack([held])
+    batcher().ack_tags([delivery_tag(job_id, token)])
 
 
 def install() -> None:
