@@ -633,6 +633,50 @@ def test_acks_waiting_to_be_sent_go_before_a_suspect_is_claimed(
     assert keeper().held_count(prefix) == 0
 
 
+def test_a_suspect_stopped_by_waiting_acks_is_claimed_after_them_with_its_marker(
+    connect: ConnFactory, store: JobStore, prefix: str, own_keeper: LeaseKeeper
+) -> None:
+    # The claim woken for the suspect takes nothing while an ack waits; the
+    # ack is sent, and the same wake claims the suspect: the marker it popped
+    # counts for it, so the wake list stays one marker per pending job.
+    conn, q = connect(), queue()
+    publish(conn, q, ["done"])
+    got: list[Any] = []
+    seen: list[tuple[int, int, int]] = []  # (active, pending, wake markers) at the suspect
+    k = store.keys("q")
+
+    def on_message(body: Any, message: Any) -> None:
+        got.append(body)
+        if body == "suspect":
+            counts = store.counts("q")
+            seen.append((counts["active"], counts["pending"], int(store.client.llen(k.wake))))
+        message.ack()
+
+    b = batcher()
+    saved = (b.delay_ms, b.deferring)
+    try:
+        with Consumer(conn.channel(), [q], callbacks=[on_message], accept=["json"]):
+            b.delay_ms, b.deferring = 60_000, True  # as in a ready worker, but slow
+            consume_until(conn, got, 1, 5)
+            sends = b.sends
+            publish(conn, q, ["suspect"])
+            [suspect_id] = [i.decode() for i in store.client.zrange(k.pending, 0, -1)]
+            store.client.hset(k.job(suspect_id), "lapsed", 1)
+            publish(conn, q, ["after"])
+            consume_until(conn, got, 2, 5)
+            assert got == ["done", "suspect"]
+            # The waiting ack went first, alone in its send; "after" waits with its marker.
+            assert seen == [(1, 1, 1)]
+            assert b.sends == sends + 1
+            consume_until(conn, got, 3, 5)
+            assert got == ["done", "suspect", "after"]
+    finally:
+        b.flush()
+        b.delay_ms, b.deferring = saved
+    assert store.counts("q") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
+    assert keeper().held_count(prefix) == 0
+
+
 def test_acks_waiting_for_company_stay_queued_while_plain_jobs_are_claimed(
     connect: ConnFactory, store: JobStore, prefix: str, own_keeper: LeaseKeeper
 ) -> None:
