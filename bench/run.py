@@ -307,6 +307,7 @@ def replot(path: Path, args: argparse.Namespace) -> int:
     print(render(rows, saved.get("scaling"), run_args, saved["meta"]["runtime_s"]))
     out = Path(args.out) if args.out_given else path.parent
     if not args.no_chart:
+        out.mkdir(parents=True, exist_ok=True)
         drawn = chart(rows, out / "benchmarks.svg", run_args)
         print(f"wrote {drawn}" if drawn else "no chart: matplotlib is not installed")
     return 0

@@ -138,6 +138,23 @@ def test_chart_draws_every_ratio(tmp_path: Path) -> None:
     assert "not measured" not in svg
 
 
+def test_replot_draws_into_a_directory_it_makes(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    saved = ROOT / "docs" / "img" / "benchmarks.json"
+    out = tmp_path / "new" / "dir"
+    done = subprocess.run(
+        [sys.executable, "bench/run.py", "--replot", str(saved), "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "| drain, prefork -c 2, acks_late" in done.stdout
+    first = json.loads(saved.read_text())["table"][0]
+    assert f"{first['emq_over_stock']:.2f}x" in (out / "benchmarks.svg").read_text()
+
+
 def _children(pid: int) -> dict[int, str]:
     """The processes whose parent is ``pid``: their command lines."""
     found = {}
