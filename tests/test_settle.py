@@ -142,6 +142,128 @@ def test_a_start_sent_now_carries_the_queued_acks(
     assert b.queued() == 0
 
 
+def test_starts_made_while_a_send_is_under_way_go_together_in_the_next(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Pool threads each record a start before their task's body runs: those
+    # that arrive while one is being sent share the next round trip, and each
+    # returns only once the send carrying its own record has returned.
+    b = deferring(60_000)
+    first, *others = claims_of(store, "q", ["t1", "t2", "t3"])
+    entered = [threading.Event(), threading.Event()]
+    released = [threading.Event(), threading.Event()]
+    sent: list[list[str]] = []
+    send = b._send
+
+    def held_send(acks: list[Claim], starts: list[Claim]) -> None:
+        n = len(sent)
+        sent.append(sorted(c.job_id for c in starts))
+        if n < 2:
+            entered[n].set()
+            released[n].wait(ROUND_TRIP_WAIT_S)
+        send(acks, starts)
+
+    monkeypatch.setattr(b, "_send", held_send)
+    recorded: dict[str, str | None] = {}
+
+    def run(claim: Claim) -> None:
+        b.start_now(claim)
+        recorded[claim.job_id] = store.job("q", claim.job_id).get("started")
+
+    threads = [threading.Thread(target=run, args=(c,)) for c in (first, *others)]
+    try:
+        threads[0].start()
+        assert entered[0].wait(ROUND_TRIP_WAIT_S)
+        for t in threads[1:]:
+            t.start()
+        wait_until(lambda: len(b._starts) == 2)
+        released[0].set()
+        assert entered[1].wait(ROUND_TRIP_WAIT_S)
+        # The second send is under way: neither of its threads has returned.
+        time.sleep(0.05)
+        assert list(recorded) == ["t1"]
+    finally:
+        for e in released:
+            e.set()
+        for t in threads:
+            t.join(ROUND_TRIP_WAIT_S)
+    assert sent == [["t1"], ["t2", "t3"]]
+    assert recorded == {c.job_id: str(c.token) for c in (first, *others)}
+    assert b.queued() == 0
+
+
+def test_a_start_whose_send_fails_in_another_thread_fails_there_too(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The thread that sends a shared round trip is not the only one whose
+    # record it carried: every thread waiting on it hears that it failed.
+    b = deferring(60_000)
+    first, *others = claims_of(store, "q", ["t1", "t2", "t3"])
+    in_send, go_on = threading.Event(), threading.Event()
+    sends: list[int] = []
+    send = b._send
+
+    def failing_second(acks: list[Claim], starts: list[Claim]) -> None:
+        sends.append(len(starts))
+        if len(sends) == 1:
+            in_send.set()
+            go_on.wait(ROUND_TRIP_WAIT_S)
+            send(acks, starts)
+            return
+        raise RuntimeError("lanes closed")
+
+    monkeypatch.setattr(b, "_send", failing_second)
+    outcome: dict[str, str] = {}
+
+    def run(claim: Claim) -> None:
+        try:
+            b.start_now(claim)
+        except Exception as exc:
+            outcome[claim.job_id] = str(exc)
+        else:
+            outcome[claim.job_id] = "recorded"
+
+    threads = [threading.Thread(target=run, args=(c,)) for c in (first, *others)]
+    try:
+        threads[0].start()
+        assert in_send.wait(ROUND_TRIP_WAIT_S)
+        for t in threads[1:]:
+            t.start()
+        wait_until(lambda: len(b._starts) == 2)
+    finally:
+        go_on.set()
+        for t in threads:
+            t.join(ROUND_TRIP_WAIT_S)
+    assert sends == [1, 2]
+    assert outcome["t1"] == "recorded"
+    assert "lanes closed" in outcome["t2"] and "lanes closed" in outcome["t3"]
+    assert "started" not in store.job("q", "t2") and "started" not in store.job("q", "t3")
+    assert b.queued() == 0 and b._start_errors == {} and b._starting == set()
+
+
+class _Interrupted(BaseException):
+    pass
+
+
+class _InterruptingLock:
+    def __enter__(self) -> None:
+        raise _Interrupted
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def test_a_start_interrupted_before_its_send_leaves_nothing_queued(store: JobStore) -> None:
+    # A gevent timeout may end the wait for the send: no record is left to be
+    # sent later for a body that never ran, and nothing waits in alone().
+    b = deferring(60_000)
+    [claim] = claims_of(store, "q", ["a"])
+    b._send_lock = _InterruptingLock()  # type: ignore[assignment]
+    with pytest.raises(_Interrupted):
+        b.start_now(claim)
+    assert b.queued() == 0 and b._starting == set()
+
+
 def test_the_start_of_a_task_acked_in_the_same_batch_is_not_sent(
     store: JobStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:

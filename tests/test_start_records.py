@@ -116,7 +116,8 @@ def test_a_prefork_child_sends_nothing_when_its_task_starts(
     def job() -> None: ...
 
     sent: list[Any] = []
-    monkeypatch.setattr(SettleBatcher, "flush", lambda self, start=None: sent.append(start))
+    monkeypatch.setattr(SettleBatcher, "start_now", lambda self, claim: sent.append(claim))
+    monkeypatch.setattr(SettleBatcher, "flush", lambda self: sent.append(None))
     job.push_request(properties={"delivery_tag": f"a#{claim.token}"})
     try:
         task_prerun.send(sender=job, task_id="t", task=job)

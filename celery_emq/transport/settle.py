@@ -75,6 +75,10 @@ class SettleBatcher:
         self._due: float | None = None
         #: Settles taken by a send that has not returned yet.
         self._sending = 0
+        #: Start records whose threads wait in start_now; the error of a send
+        #: that took one of them and raised, for that thread to raise.
+        self._starting: set[str] = set()
+        self._start_errors: dict[str, BaseException] = {}
         self._thread: threading.Thread | None = None
         self._lanes: Lanes[str] = Lanes("celery_emq-settle")
         #: The delay a worker's channels asked for (``settle_delay_ms``).
@@ -124,8 +128,38 @@ class SettleBatcher:
         Under solo, threads, gevent or eventlet the task runs in the process
         that holds its claim, and a task that kills its process kills the
         batcher too: the record must be in Redis before the body starts.
+
+        Starts made by other threads while a send is under way wait for it and
+        go together in the next one: each thread returns once the send that
+        carried its record has returned, so a pool of N threads pays about one
+        round trip for up to N starts, not one each in turn.
         """
-        self.flush(start=claim)
+        tag = delivery_tag(claim.job_id, claim.token)
+        with self._lock:
+            self._starts[tag] = claim
+            self._starting.add(tag)
+        try:
+            with self._send_lock:
+                with self._lock:
+                    queued = tag in self._starts
+                if queued:
+                    self._flush_sending()
+                    return
+                with self._lock:
+                    failed = self._start_errors.pop(tag, None)
+                if failed is not None:
+                    # The send that took this record raised in another thread.
+                    raise RuntimeError(f"the send carrying this start failed: {failed!r}")
+        except BaseException:
+            with self._lock:
+                # Interrupted before any send took it: no record for a body
+                # that may not run, and nothing left waiting in alone().
+                self._starts.pop(tag, None)
+            raise
+        finally:
+            with self._lock:
+                self._starting.discard(tag)
+                self._start_errors.pop(tag, None)
 
     def _queue(self, kind: str, claims: Sequence[Claim], forget: Sequence[str] = ()) -> None:
         delay_ms = self.effective_delay_ms
@@ -153,26 +187,34 @@ class SettleBatcher:
                 return
         self.flush()
 
-    def flush(self, start: Claim | None = None) -> None:
-        """Send every queued settle now (and ``start``), one round trip per store."""
+    def flush(self) -> None:
+        """Send every queued settle now, one round trip per store."""
         with self._send_lock:
+            self._flush_sending()
+
+    def _flush_sending(self) -> None:
+        """Send every queued settle; the caller holds the send lock."""
+        with self._lock:
+            acks, self._acks = self._acks, {}
+            starts, self._starts = self._starts, {}
+            self._due = None
+            # Still waiting, as far as alone() is concerned, until sent or owed.
+            self._sending = len(acks) + len(starts)
+        try:
+            for tag in acks:
+                # The task finished: its start no longer matters.
+                starts.pop(tag, None)
+            if acks or starts:
+                self._send(list(acks.values()), list(starts.values()))
+        except BaseException as exc:
             with self._lock:
-                acks, self._acks = self._acks, {}
-                starts, self._starts = self._starts, {}
-                self._due = None
-                # Still waiting, as far as alone() is concerned, until sent or owed.
-                self._sending = len(acks) + len(starts)
-            try:
-                if start is not None:
-                    starts[delivery_tag(start.job_id, start.token)] = start
-                for tag in acks:
-                    # The task finished: its start no longer matters.
-                    starts.pop(tag, None)
-                if acks or starts:
-                    self._send(list(acks.values()), list(starts.values()))
-            finally:
-                with self._lock:
-                    self._sending = 0
+                # Each thread waiting in start_now for one of these raises too.
+                for tag in starts.keys() & self._starting:
+                    self._start_errors[tag] = exc
+            raise
+        finally:
+            with self._lock:
+                self._sending = 0
 
     def _send(self, acks: list[Claim], starts: list[Claim]) -> None:
         """Send the settles of each server (each Cluster master) on its own lane, bounded.
