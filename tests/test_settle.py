@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import textwrap
@@ -142,6 +143,32 @@ def test_a_start_sent_now_carries_the_queued_acks(
     assert b.queued() == 0
 
 
+@contextlib.contextmanager
+def starts_queued_behind_a_send(
+    b: SettleBatcher,
+    claims: list[Claim],
+    run: Callable[[Claim], None],
+    first_sending: threading.Event,
+    release: Callable[[], None],
+) -> Iterator[None]:
+    """Run each claim's thread: the first until its send is under way, then the others until queued.
+
+    On leaving, ``release`` lets the held sends go and every thread is joined.
+    """
+    threads = [threading.Thread(target=run, args=(c,)) for c in claims]
+    try:
+        threads[0].start()
+        assert first_sending.wait(ROUND_TRIP_WAIT_S)
+        for t in threads[1:]:
+            t.start()
+        wait_until(lambda: len(b._starts) == len(claims) - 1)
+        yield
+    finally:
+        release()
+        for t in threads:
+            t.join(ROUND_TRIP_WAIT_S)
+
+
 def test_starts_made_while_a_send_is_under_way_go_together_in_the_next(
     store: JobStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -170,23 +197,16 @@ def test_starts_made_while_a_send_is_under_way_go_together_in_the_next(
         b.start_now(claim)
         recorded[claim.job_id] = store.job("q", claim.job_id).get("started")
 
-    threads = [threading.Thread(target=run, args=(c,)) for c in (first, *others)]
-    try:
-        threads[0].start()
-        assert entered[0].wait(ROUND_TRIP_WAIT_S)
-        for t in threads[1:]:
-            t.start()
-        wait_until(lambda: len(b._starts) == 2)
+    def release_all() -> None:
+        for e in released:
+            e.set()
+
+    with starts_queued_behind_a_send(b, [first, *others], run, entered[0], release_all):
         released[0].set()
         assert entered[1].wait(ROUND_TRIP_WAIT_S)
         # The second send is under way: neither of its threads has returned.
         time.sleep(0.05)
         assert list(recorded) == ["t1"]
-    finally:
-        for e in released:
-            e.set()
-        for t in threads:
-            t.join(ROUND_TRIP_WAIT_S)
     assert sent == [["t1"], ["t2", "t3"]]
     assert recorded == {c.job_id: str(c.token) for c in (first, *others)}
     assert b.queued() == 0
@@ -223,17 +243,8 @@ def test_a_start_whose_send_fails_in_another_thread_fails_there_too(
         else:
             outcome[claim.job_id] = "recorded"
 
-    threads = [threading.Thread(target=run, args=(c,)) for c in (first, *others)]
-    try:
-        threads[0].start()
-        assert in_send.wait(ROUND_TRIP_WAIT_S)
-        for t in threads[1:]:
-            t.start()
-        wait_until(lambda: len(b._starts) == 2)
-    finally:
-        go_on.set()
-        for t in threads:
-            t.join(ROUND_TRIP_WAIT_S)
+    with starts_queued_behind_a_send(b, [first, *others], run, in_send, go_on.set):
+        pass
     assert sends == [1, 2]
     assert outcome["t1"] == "recorded"
     assert "lanes closed" in outcome["t2"] and "lanes closed" in outcome["t3"]

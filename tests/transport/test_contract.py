@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,7 +19,7 @@ from celery_emq.store.batch import Batch
 from celery_emq.store.jobstore import JobStore
 from celery_emq.transport import lease
 from celery_emq.transport.lease import LeaseKeeper, keeper, parse_tag, worker_identity
-from celery_emq.transport.settle import batcher
+from celery_emq.transport.settle import SettleBatcher, batcher
 from celery_emq.transport.sweeper import Sweeper
 from tests.conftest import CLUSTER, servers_of
 from tests.transport.conftest import ConnFactory
@@ -592,6 +594,20 @@ def test_a_suspect_not_yet_started_holds_back_every_other_claim_of_the_process(
     assert keeper().held_count(prefix) == 0
 
 
+@contextlib.contextmanager
+def acks_waiting(conn: Connection, q: Queue, on_message: Any) -> Iterator[SettleBatcher]:
+    """Consume ``q`` with acks waiting for company, as in a ready worker, but for a minute."""
+    b = batcher()
+    saved = (b.delay_ms, b.deferring)
+    try:
+        with Consumer(conn.channel(), [q], callbacks=[on_message], accept=["json"]):
+            b.delay_ms, b.deferring = 60_000, True
+            yield b
+    finally:
+        b.flush()
+        b.delay_ms, b.deferring = saved
+
+
 def test_acks_waiting_to_be_sent_go_before_a_suspect_is_claimed(
     connect: ConnFactory, store: JobStore, prefix: str, own_keeper: LeaseKeeper
 ) -> None:
@@ -611,24 +627,17 @@ def test_acks_waiting_to_be_sent_go_before_a_suspect_is_claimed(
             acked_before.append(store.counts("q")["active"])
             message.ack()
 
-    b = batcher()
-    saved = (b.delay_ms, b.deferring)
-    try:
-        with Consumer(conn.channel(), [q], callbacks=[on_message], accept=["json"]):
-            b.delay_ms, b.deferring = 60_000, True  # as in a ready worker, but slow
-            consume_until(conn, got, 1, 5)
-            assert got == ["done"]
-            assert b.queued() == 1 and store.counts("q")["active"] == 1
-            publish(conn, q, ["suspect"])
-            [suspect_id] = [i.decode() for i in store.client.zrange(store.keys("q").pending, 0, -1)]
-            store.client.hset(store.keys("q").job(suspect_id), "lapsed", 1)
-            consume_until(conn, got, 2, 5)
-            assert got == ["done", "suspect"]
-            # Only the suspect was active: the ack had reached Redis before its claim.
-            assert acked_before == [1]
-    finally:
-        b.flush()
-        b.delay_ms, b.deferring = saved
+    with acks_waiting(conn, q, on_message) as b:
+        consume_until(conn, got, 1, 5)
+        assert got == ["done"]
+        assert b.queued() == 1 and store.counts("q")["active"] == 1
+        publish(conn, q, ["suspect"])
+        [suspect_id] = [i.decode() for i in store.client.zrange(store.keys("q").pending, 0, -1)]
+        store.client.hset(store.keys("q").job(suspect_id), "lapsed", 1)
+        consume_until(conn, got, 2, 5)
+        assert got == ["done", "suspect"]
+        # Only the suspect was active: the ack had reached Redis before its claim.
+        assert acked_before == [1]
     assert store.counts("q") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
     assert keeper().held_count(prefix) == 0
 
@@ -652,27 +661,20 @@ def test_a_suspect_stopped_by_waiting_acks_is_claimed_after_them_with_its_marker
             seen.append((counts["active"], counts["pending"], int(store.client.llen(k.wake))))
         message.ack()
 
-    b = batcher()
-    saved = (b.delay_ms, b.deferring)
-    try:
-        with Consumer(conn.channel(), [q], callbacks=[on_message], accept=["json"]):
-            b.delay_ms, b.deferring = 60_000, True  # as in a ready worker, but slow
-            consume_until(conn, got, 1, 5)
-            sends = b.sends
-            publish(conn, q, ["suspect"])
-            [suspect_id] = [i.decode() for i in store.client.zrange(k.pending, 0, -1)]
-            store.client.hset(k.job(suspect_id), "lapsed", 1)
-            publish(conn, q, ["after"])
-            consume_until(conn, got, 2, 5)
-            assert got == ["done", "suspect"]
-            # The waiting ack went first, alone in its send; "after" waits with its marker.
-            assert seen == [(1, 1, 1)]
-            assert b.sends == sends + 1
-            consume_until(conn, got, 3, 5)
-            assert got == ["done", "suspect", "after"]
-    finally:
-        b.flush()
-        b.delay_ms, b.deferring = saved
+    with acks_waiting(conn, q, on_message) as b:
+        consume_until(conn, got, 1, 5)
+        sends = b.sends
+        publish(conn, q, ["suspect"])
+        [suspect_id] = [i.decode() for i in store.client.zrange(k.pending, 0, -1)]
+        store.client.hset(k.job(suspect_id), "lapsed", 1)
+        publish(conn, q, ["after"])
+        consume_until(conn, got, 2, 5)
+        assert got == ["done", "suspect"]
+        # The waiting ack went first, alone in its send; "after" waits with its marker.
+        assert seen == [(1, 1, 1)]
+        assert b.sends == sends + 1
+        consume_until(conn, got, 3, 5)
+        assert got == ["done", "suspect", "after"]
     assert store.counts("q") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
     assert keeper().held_count(prefix) == 0
 
@@ -690,23 +692,16 @@ def test_acks_waiting_for_company_stay_queued_while_plain_jobs_are_claimed(
         got.append(body)
         message.ack()
 
-    b = batcher()
-    saved = (b.delay_ms, b.deferring)
-    try:
-        with Consumer(conn.channel(), [q], callbacks=[on_message], accept=["json"]):
-            b.delay_ms, b.deferring = 60_000, True  # as in a ready worker, but slow
-            consume_until(conn, got, 1, 5)
-            sends = b.sends
-            assert b.queued() == 1
-            publish(conn, q, ["second"])
-            consume_until(conn, got, 2, 5)
-            assert got == ["first", "second"]
-            # Both acks wait together; none was sent for the second claim.
-            assert (b.sends, b.queued()) == (sends, 2)
-            assert store.counts("q")["active"] == 2
-    finally:
-        b.flush()
-        b.delay_ms, b.deferring = saved
+    with acks_waiting(conn, q, on_message) as b:
+        consume_until(conn, got, 1, 5)
+        sends = b.sends
+        assert b.queued() == 1
+        publish(conn, q, ["second"])
+        consume_until(conn, got, 2, 5)
+        assert got == ["first", "second"]
+        # Both acks wait together; none was sent for the second claim.
+        assert (b.sends, b.queued()) == (sends, 2)
+        assert store.counts("q")["active"] == 2
     assert store.counts("q") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
     assert keeper().held_count(prefix) == 0
 
