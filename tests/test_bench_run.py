@@ -50,14 +50,19 @@ has_server = bool(os.environ.get("EMQ_REDIS_SERVER") or shutil.which("redis-serv
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not has_server, reason="no redis-server for the benchmark's private Redis")
-def test_quick_run_takes_every_figure(tmp_path: Path) -> None:
-    out = subprocess.run(
-        [sys.executable, "bench/run.py", *TINY, "--out", str(tmp_path), "--no-chart"],
+def run_bench(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run ``bench/run.py`` with ``args`` from the project's root; its output captured."""
+    return subprocess.run(
+        [sys.executable, "bench/run.py", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=540,
+        timeout=timeout,
     )
+
+
+def test_quick_run_takes_every_figure(tmp_path: Path) -> None:
+    out = run_bench(*TINY, "--out", str(tmp_path), "--no-chart", timeout=540)
     assert out.returncode == 0, out.stderr[-4000:]
     assert "| drain, prefork -c 2, acks_late" in out.stdout
     saved = json.loads((tmp_path / "benchmarks.json").read_text())
@@ -142,13 +147,7 @@ def test_replot_draws_into_a_directory_it_makes(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     saved = ROOT / "docs" / "img" / "benchmarks.json"
     out = tmp_path / "new" / "dir"
-    done = subprocess.run(
-        [sys.executable, "bench/run.py", "--replot", str(saved), "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_bench("--replot", str(saved), "--out", str(out), timeout=120)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "| drain, prefork -c 2, acks_late" in done.stdout
     first = json.loads(saved.read_text())["table"][0]
