@@ -47,9 +47,6 @@ TINY = [
 has_server = bool(os.environ.get("EMQ_REDIS_SERVER") or shutil.which("redis-server"))
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-@pytest.mark.skipif(not has_server, reason="no redis-server for the benchmark's private Redis")
 def run_bench(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     """Run ``bench/run.py`` with ``args`` from the project's root; its output captured."""
     return subprocess.run(
@@ -61,6 +58,9 @@ def run_bench(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not has_server, reason="no redis-server for the benchmark's private Redis")
 def test_quick_run_takes_every_figure(tmp_path: Path) -> None:
     out = run_bench(*TINY, "--out", str(tmp_path), "--no-chart", timeout=540)
     assert out.returncode == 0, out.stderr[-4000:]
