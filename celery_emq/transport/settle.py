@@ -142,12 +142,10 @@ class SettleBatcher:
             with self._send_lock:
                 with self._lock:
                     queued = tag in self._starts
+                    failed = None if queued else self._start_errors.pop(tag, None)
                 if queued:
                     self._flush_sending()
-                    return
-                with self._lock:
-                    failed = self._start_errors.pop(tag, None)
-                if failed is not None:
+                elif failed is not None:
                     # The send that took this record raised in another thread.
                     raise RuntimeError(f"the send carrying this start failed: {failed!r}")
         except BaseException:
