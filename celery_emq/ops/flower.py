@@ -267,7 +267,7 @@ def _sentinel_client(broker: Any, broker_url: str, kwargs: dict[str, Any]) -> tu
         connection_kwargs["ssl"] = True
         if isinstance(use_ssl, dict):
             connection_kwargs.update(use_ssl)
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+    sentinel = Sentinel(  # type: ignore[no-untyped-call,unused-ignore]
         list(target.nodes),
         min_other_sentinels=int(options.get("min_other_sentinels") or 0),
         sentinel_kwargs=sentinel_kwargs,
@@ -284,7 +284,7 @@ def _sentinel_target(broker_url: str) -> BrokerTarget:
     """
     from kombu.connection import Connection
 
-    target = target_of(Connection(broker_url))  # type: ignore[no-untyped-call]
+    target = target_of(Connection(broker_url))  # type: ignore[no-untyped-call,unused-ignore]
     try:
         from celery import current_app
 

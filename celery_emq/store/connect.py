@@ -187,13 +187,13 @@ def _sentinel_store(
     params["connection_class"] = (
         SentinelManagedSSLConnection if endpoint.tls else SentinelManagedConnection
     )
-    sentinel = BoundedSentinel(  # type: ignore[no-untyped-call]
+    sentinel = BoundedSentinel(  # type: ignore[no-untyped-call,unused-ignore]
         list(endpoint.target.nodes),
         min_other_sentinels=int(topts.get("min_other_sentinels") or 0),
         sentinel_kwargs=sentinel_kwargs(params, timeout_s, topts.get("sentinel_kwargs")),
         **params,
     )
-    client = sentinel.master_for(name, redis.Redis)  # type: ignore[no-untyped-call]
+    client = sentinel.master_for(name, redis.Redis)  # type: ignore[no-untyped-call,unused-ignore]
 
     def close() -> None:
         client.connection_pool.disconnect()
@@ -213,7 +213,7 @@ def cluster_client(endpoint: Endpoint, retries: int, socket_timeout_s: float) ->
     target = endpoint.target
     kwargs: dict[str, Any] = {
         "startup_nodes": [
-            ClusterNode(host, port)  # type: ignore[no-untyped-call]
+            ClusterNode(host, port)  # type: ignore[no-untyped-call,unused-ignore]
             for host, port in target.nodes
         ],
         "username": target.username or endpoint.username,

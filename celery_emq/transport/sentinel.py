@@ -63,7 +63,7 @@ class MasterFollowingPool(SentinelConnectionPool):
     """A pool to the master whose watcher asks the sentinels again every :data:`MASTER_CHECK_S`."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
+        super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call,unused-ignore]
         self.used_at = monotonic()
         #: The process whose watcher thread watches this pool (none after a fork).
         self.watched_in: int | None = None
@@ -101,7 +101,7 @@ def _watch_master(ref: weakref.ref[MasterFollowingPool]) -> None:
             return
         if monotonic() - pool.used_at < WATCH_IDLE_S:
             try:
-                pool.get_master_address()  # type: ignore[no-untyped-call]
+                pool.get_master_address()  # type: ignore[no-untyped-call,unused-ignore]
             except redis.RedisError:
                 pass
         del pool
@@ -174,14 +174,14 @@ class SentinelChannel(Channel):
     def _master_pool(self, params: dict[str, Any]) -> Any:
         """A connection pool to the master named ``master_name``, found through the sentinels."""
         params = {k: v for k, v in params.items() if k not in ("host", "port")}
-        sentinel = BoundedSentinel(  # type: ignore[no-untyped-call]
+        sentinel = BoundedSentinel(  # type: ignore[no-untyped-call,unused-ignore]
             list(self.target.nodes),
             min_other_sentinels=int(self.min_other_sentinels or 0),
             sentinel_kwargs=sentinel_kwargs(params, self.store_timeout_s, self.sentinel_kwargs),
             **params,
         )
         self._sentinels.append(sentinel)
-        client = sentinel.master_for(  # type: ignore[no-untyped-call]
+        client = sentinel.master_for(  # type: ignore[no-untyped-call,unused-ignore]
             self.master_name, redis.Redis, connection_pool_class=MasterFollowingPool
         )
         self._pools.append(client.connection_pool)
