@@ -94,7 +94,7 @@ def test_past_max_lapsed_a_job_is_dead_lettered_as_never_started_and_never_decod
     outcomes = []
     now = 1000
     for _ in range(3):
-        [job] = store.claim("celery", "w1", now_ms=now, alone=True)
+        [job] = store.claim("celery", "w1", now_ms=now)
         now += 5001
         sweeps_ran_until(store, "celery", now - 1)
         report = sweeper.sweep("celery", now_ms=now)

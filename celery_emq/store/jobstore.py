@@ -17,7 +17,16 @@ from celery_emq.errors import ReplicasUnconfirmedError
 from celery_emq.store.base import METRICS, PURGE_BATCH
 from celery_emq.store.batch import Batch
 from celery_emq.store.codec import pack
-from celery_emq.store.outcomes import UNSET, Claims, NewJob, Outcome, Scan, Swept, Unset
+from celery_emq.store.outcomes import (
+    UNSET,
+    Claims,
+    NewJob,
+    Outcome,
+    Scan,
+    Swept,
+    SweptJobs,
+    Unset,
+)
 from celery_emq.store.reads import ACTIVE_PAGE, LANE_PAGE, OLDEST_LANE_PAGE, Reads
 from celery_emq.store.registry import Registry
 
@@ -159,20 +168,20 @@ class JobStore(Reads, Registry):
         held: int = 0,
         ttl_ms: int = 0,
         now_ms: int | None = None,
-        alone: bool = True,
+        take_suspect: bool = True,
     ) -> Claims:
         """Claim up to ``count`` jobs in priority/FIFO order under a lease.
 
         Each :class:`Claimed` carries its fencing token, the claim id
         (``token``: the delivery count and a nonce no rollback can reissue),
         which every later settle of that claim names. A job that lapsed before
-        its task started is taken only ``alone`` (the caller holds no other
-        claim, as a caller that does not say is taken to), in a batch of its
-        own; the batch stops before it otherwise, and says so
-        (:attr:`Claims.suspect_waits`).
+        its task started (a suspect) is taken one per call, and only if
+        ``take_suspect`` (the caller holds none that has not started); one
+        it may not take keeps its place while the jobs behind it are taken
+        (:attr:`Claims.passed_suspect`).
         """
         return self.scripts.claim(
-            self.keys(queue), now_ms, self.lease_ms, owner, count, held, ttl_ms, alone
+            self.keys(queue), now_ms, self.lease_ms, owner, count, held, ttl_ms, take_suspect
         )
 
     def start(self, queue: str, job_id: str, token: str) -> Outcome:
@@ -234,7 +243,8 @@ class JobStore(Reads, Registry):
         dead_max_age_ms: int = 0,
         dead_max_size: int = 0,
         registry: bool = False,
-    ) -> list[Swept]:
+        since: str = "0",
+    ) -> SweptJobs:
         """Examine up to ``limit`` lapsed claims: count a stall on each that started.
 
         A started job is recovered (to the front of its queue) while its stall
@@ -250,6 +260,9 @@ class JobStore(Reads, Registry):
         ``registry``, on one server, the pass ends with ``Swept("", "expiring",
         n)`` when ``n`` > 0 ``x-expires`` queues are registered (the expiry pass
         has work); on a Cluster the registry lies on another slot and is not read.
+        ``since`` is the caller's evidence of an outage (see
+        :meth:`Scripts.sweep <celery_emq.store.scripts.Scripts.sweep>`); the
+        reply's ``now_ms`` is the server's clock at the pass.
         """
         return self.scripts.sweep(
             self.keys(queue),
@@ -262,6 +275,7 @@ class JobStore(Reads, Registry):
             dead_max_age_ms=dead_max_age_ms,
             dead_max_size=dead_max_size,
             expiring=self.expiring_key if registry and self.one_server else "",
+            since=since,
         )
 
     def charge(

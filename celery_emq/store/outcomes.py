@@ -74,20 +74,31 @@ class Claimed:
     token: str
     #: a delayed job promoted by a revoke of its task
     revoked: bool = False
-    #: handed out alone: the job lapsed before its task ever started, so it may be
-    #: a message that kills its worker while it is received
+    #: a suspect: the job lapsed before its task ever started, so it may be a
+    #: message that kills its worker while it is received (one at a time per caller)
     suspect: bool = False
 
 
 class Claims(list[Claimed]):
     """What one ``claim`` handed out, in order.
 
-    ``suspect_waits`` is set when the batch stopped before a job that lapsed
-    before its task started, which the caller could not take: it held other
-    claims, or had said it was not alone.
+    ``passed_suspect`` is set when the call passed over a job that lapsed
+    before its task started, which the caller could not take (it took one
+    already, or said it holds one that has not started): that job keeps its
+    place, and the claim took the jobs behind it.
     """
 
-    suspect_waits: bool = False
+    passed_suspect: bool = False
+
+
+class SweptJobs(list["Swept"]):
+    """What one ``sweep`` pass did, in order.
+
+    ``now_ms`` is the server's clock when a pass over lapsed claims ran (the
+    sweeper's evidence of its contact with the node; ``None`` for a charge).
+    """
+
+    now_ms: int | None = None
 
 
 @dataclass(frozen=True)

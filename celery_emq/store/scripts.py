@@ -41,6 +41,7 @@ from celery_emq.store.outcomes import (
     NewJob,
     Outcome,
     Swept,
+    SweptJobs,
     Unset,
     live_token,
     new_nonce,
@@ -160,23 +161,24 @@ class Scripts(Loaded):
         count: int,
         held: int = 0,
         ttl_ms: int = 0,
-        alone: bool = True,
+        take_suspect: bool = True,
     ) -> Claims:
         """Claim up to ``count`` jobs, leasing each to ``owner`` under a fresh claim id.
 
-        A job that lapsed before its task started is claimed only ``alone``
-        (the caller holds no other claim), and only as the first of the batch:
-        a batch of its own, its :class:`Claimed` marked ``suspect``; a batch
-        that stopped before one it could not take says so (``suspect_waits``).
+        A job that lapsed before its task started (a suspect, its
+        :class:`Claimed` marked ``suspect``) is taken only if ``take_suspect``
+        (the caller holds none that has not started), one per call; one it
+        may not take keeps its place, the jobs behind it are taken, and the
+        reply says so (``passed_suspect``).
         """
         nonce = new_nonce()
         reply = self.run(
             "claim",
             [k.pending, k.active, k.wake, k.seq, k.head, k.lanes, k.cursor, k.expires, k.base],
-            [time_arg(now_ms), lease_ms, owner, count, held, ttl_ms, nonce, int(alone)],
+            [time_arg(now_ms), lease_ms, owner, count, held, ttl_ms, nonce, int(take_suspect)],
         )
-        waits = len(reply) % 6 == 1 and text(reply[-1]) == "suspect"
-        if waits:
+        passed = len(reply) % 6 == 1 and text(reply[-1]) == "suspect"
+        if passed:
             reply = reply[:-1]
         if len(reply) % 6:
             raise ScriptContractError(f"claim.lua answered {len(reply)} items")
@@ -192,7 +194,7 @@ class Scripts(Loaded):
             )
             for i in range(0, len(reply), 6)
         )
-        out.suspect_waits = waits
+        out.passed_suspect = passed
         return out
 
     def start(self, k: QueueKeys, job_id: str, token: str) -> Outcome:
@@ -311,7 +313,8 @@ class Scripts(Loaded):
         dead_max_age_ms: int = 0,
         dead_max_size: int = 0,
         expiring: str = "",
-    ) -> list[Swept]:
+        since: str = "0",
+    ) -> SweptJobs:
         """Count a stall on lapsed (or the named) claims; recover or dead-letter each.
 
         A lapsed claim whose task never started is requeued uncounted; one that
@@ -323,6 +326,10 @@ class Scripts(Loaded):
         with the outcome ``trimmed``. Given the ``expiring`` registry's key (on
         one server), such a pass ends with ``Swept("", "expiring", n)`` when the
         registry holds ``n`` > 0 queues.
+        ``since`` is the caller's evidence of an outage (sweep.lua's outage
+        rule): the server time of its last pass on this node, ``""`` for a
+        caller that has none and met no failure, ``"0"`` for one that knows
+        nothing (the gap since any sweep is taken as the outage).
         """
         reply = self.run(
             "sweep",
@@ -337,15 +344,19 @@ class Scripts(Loaded):
                 -1 if max_lapsed is None else max_lapsed,
                 dead_max_age_ms,
                 dead_max_size,
+                since,
                 *(x for claim in claims for x in claim),
             ],
         )
         if len(reply) % 4:
             raise ScriptContractError(f"sweep.lua answered {len(reply)} items")
-        return [
+        out = SweptJobs(
             Swept(text(reply[i]), text(reply[i + 1]), int(reply[i + 2]), reply[i + 3] or b"")
             for i in range(0, len(reply), 4)
-        ]
+        )
+        if out and out[-1].outcome == "clock":
+            out.now_ms = out.pop().stalled
+        return out
 
     def reap(self, k: QueueKeys, now_ms: int | None, limit: int) -> list[str]:
         """Return lapsed jobs to the front of ``pending``, uncounted; return their ids."""

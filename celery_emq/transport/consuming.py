@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 #: How long a nudge no wait popped stays (see :meth:`Consuming._nudge`).
 NUDGE_TTL_MS = 60_000
+#: How long a consumer whose every queue waits on a suspect's start waits
+#: before it looks again (see :meth:`Consuming._wait_out_suspect`).
+SUSPECT_WAIT_S = 0.1
 
 
 class Consuming(StoreChannel):
@@ -104,10 +107,18 @@ class Consuming(StoreChannel):
         queues = self._queue_cycle.consume(len(self.active_queues))
         if not queues:
             return
-        hold_s = keeper().suspect_hold_s()
-        if hold_s:
-            self._wait_out_suspect(queues[0], hold_s, timeout)
-            return
+        if self._passed_suspect:
+            if keeper().awaits_suspect():
+                # A queue whose claim passed over a suspect this process may
+                # not take yet is left out of the wait (its markers could only
+                # be given back, and popped again), until the suspect held
+                # starts: the other queues are waited on as usual.
+                queues = [q for q in queues if q not in self._passed_suspect]
+                if not queues:
+                    self._wait_out_suspect(timeout)
+                    return
+            else:
+                self._passed_suspect.clear()
         wake_keys = [self.store.keys(q).wake for q in queues]
         soon_keys = [self.store.keys(q).soon for q in queues] + [self._nudge_key]
         for q, key, soon in zip(queues, wake_keys, soon_keys[:-1], strict=True):
@@ -147,9 +158,18 @@ class Consuming(StoreChannel):
     def _wait_timeout_s(self) -> float:
         """How long the next wait may block: until the next scan is due, within bounds.
 
-        Never 0 (a BRPOP that would block for ever).
+        While a queue is left out of the wait for a suspect's start, no longer
+        than the suspect counts as one. Never 0 (a BRPOP that would block for ever).
         """
-        return max(0.01, min(self._next_scan_at - monotonic(), self._idle_wait_s))
+        wait_s = min(self._next_scan_at - monotonic(), self._idle_wait_s)
+        if self._passed_suspect:
+            wait_s = min(wait_s, keeper().suspect_hold_s())
+        return max(0.01, wait_s)
+
+    def _suspect_cleared(self) -> None:
+        """The suspect this process held started or was settled: wait on every queue again."""
+        if self._passed_suspect:
+            self._nudge()
 
     @property
     def _idle_wait_s(self) -> float:
@@ -166,21 +186,20 @@ class Consuming(StoreChannel):
             wait = min(wait, float(self.brpop_timeout or 1) + self.health_check_interval / 2)
         return max(wait, 0.05)
 
-    def _wait_out_suspect(self, queue: str, hold_s: float, timeout: float | None) -> None:
-        """Wait on a list nothing is pushed to, until the suspect's hold may be over.
+    def _wait_out_suspect(self, timeout: float | None) -> None:
+        """Wait a moment on this channel's nudge list: every queue waits on a suspect's start.
 
-        While a suspect this process holds has not started, no wake marker may
-        be popped (it could not be claimed, and giving it back only to pop it
-        again would spin). The consumer's connection still waits, so kombu's
-        loop goes on reading fanout (remote control, gossip, events) and the
-        wait's end brings a scan: claiming resumes on the first after the hold.
+        Each queue's claim passed over a suspect this process may not take
+        while the one it holds has not started; their markers cannot be
+        claimed by it. The wait is short (a suspect starts within moments of
+        its claim when a pool process is free), and the consumer's connection
+        still waits, so kombu's loop goes on reading fanout (remote control,
+        gossip, events); the queues are waited on again once it started.
         """
-        wait_s = min(hold_s, float(timeout or 1))
+        wait_s = min(SUSPECT_WAIT_S, float(timeout or 1))
         self._in_poll = self.client.connection
         self._brpop_sent_at = monotonic()
-        self.client.connection.send_command(
-            "BRPOP", self.store.keys(queue).hold, f"{max(wait_s, 0.05):.3f}"
-        )
+        self.client.connection.send_command("BRPOP", self._nudge_key, f"{wait_s:.3f}")
 
     def _brpop_reply(self, **options: Any) -> str | None:
         """Read the pending BRPOP reply; return the queue whose marker was popped."""
@@ -268,7 +287,7 @@ class Consuming(StoreChannel):
         """
         budget = self.qos.can_consume_max_estimate()
         count = self.emq.claim_batch if budget is None else min(budget, self.emq.claim_batch)
-        if count <= 0 or keeper().awaits_suspect():
+        if count <= 0:
             if held:
                 self._give_back_marker(queue)
             return False
@@ -294,34 +313,26 @@ class Consuming(StoreChannel):
     def _claim(self, queue: str, count: int, held: int) -> list[tuple[dict[str, Any], str]]:
         """Claim up to ``count`` jobs; return each decodable one's payload and delivery tag.
 
-        A job that lapsed before its task started may kill this process while
-        it is received: the store hands it out only to a process that holds no
-        other claim (``alone``), so nothing else dies with it, and this process
-        claims nothing more, on any queue, until it is heard to start (see
-        :meth:`~celery_emq.transport.lease.LeaseKeeper.hold_suspect`).
+        A job that lapsed before its task started (a suspect) may kill this
+        process while it is received. This process holds at most one such
+        claim that has not started (see
+        :meth:`~celery_emq.transport.lease.LeaseKeeper.hold_suspect`), and
+        takes other jobs beside it: should it die before the suspect starts,
+        the sweep blames the suspect alone and forgives the rest (sweep.lua).
+        A suspect it may not take keeps its place in line; its queue is left
+        out of the waits until the one held starts.
         """
-        if keeper().awaits_suspect():
-            return []
-        # Acks of claims already forgotten may still wait for company, or be on
-        # their way: were a suspect handed out now to kill this process, they
-        # would die unsent and their tasks run again. So the claim does not
-        # take one while they wait; only when a suspect is what stopped it are
-        # they sent first (one that fails is owed, and held again: then this
-        # process is not alone), and the claim tried again if nothing waits
-        # then. Sending them before every claim would put a round trip before
-        # every delivery.
-        alone, settles_wait = batcher().alone()
         ttl_ms = self._queue_ttl.get(queue, 0)
         claimed = self.store.claim(
-            queue, self.owner, count, held=held, ttl_ms=ttl_ms, alone=alone and not settles_wait
+            queue,
+            self.owner,
+            count,
+            held=held,
+            ttl_ms=ttl_ms,
+            take_suspect=not keeper().awaits_suspect(),
         )
-        if not claimed and claimed.suspect_waits and alone and settles_wait:
-            batcher().flush()
-            if batcher().alone() == (True, False):
-                # The marker popped (``held``) was not used: the first claim took nothing.
-                claimed = self.store.claim(
-                    queue, self.owner, count, held=held, ttl_ms=ttl_ms, alone=True
-                )
+        if claimed.passed_suspect:
+            self._passed_suspect.add(queue)
         if not claimed:
             return []
         tags = keeper().hold(
@@ -330,13 +341,18 @@ class Consuming(StoreChannel):
             [(c.id, c.token) for c in claimed],
             self.emq.renew_interval_ms,
         )
-        for job, tag in zip(claimed, tags, strict=True):
-            if job.suspect:
-                # The keeper renews its lease, so no lapse of it frees this
-                # process: one lease after its claim does.
-                keeper().hold_suspect(tag, self.emq.lease_ms / 1000)
+        suspects = [tag for job, tag in zip(claimed, tags, strict=True) if job.suspect]
+        for tag in suspects:
+            # The keeper renews its lease, so no lapse of it frees this
+            # process: one lease after its claim does.
+            keeper().hold_suspect(tag, self.emq.lease_ms / 1000, self._suspect_cleared)
         out = []
         try:
+            if suspects:
+                # Were the suspect to kill this process as it is received, acks
+                # and start records waiting for company would die unsent
+                # (finished tasks run again, started ones look unstarted).
+                batcher().flush()
             for job, tag in zip(claimed, tags, strict=True):
                 payload = self._decode(queue, job, tag)
                 if payload is not None:

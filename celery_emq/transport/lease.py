@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -94,9 +95,11 @@ class LeaseKeeper:
         # let_go_of_orphans.
         self._unseen: dict[str, float] = {}
         # Claims handed out as suspects whose task has not been heard to start,
-        # each with the monotonic time it stops holding this process's claims
-        # back (see awaits_suspect).
+        # each with the monotonic time it stops counting as one (see
+        # awaits_suspect).
         self._suspects: dict[str, float] = {}
+        # What to call once each of them is cleared (see hold_suspect).
+        self._on_clear: dict[str, Callable[[], None]] = {}
         self._interval_ms: int | None = None
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -139,40 +142,63 @@ class LeaseKeeper:
         with self._lock:
             self._lost.discard(tag)
             self._owed.discard(tag)
-            self._suspects.pop(tag, None)
-            return self._held.pop(tag, None)
+            on_clear = self._clear_suspect(tag)
+            held = self._held.pop(tag, None)
+        self._tell_cleared(on_clear)
+        return held
 
-    def hold_suspect(self, tag: str, for_s: float) -> None:
-        """Note a held claim handed out as a suspect: this process claims nothing more for now.
+    def hold_suspect(
+        self, tag: str, for_s: float, on_clear: Callable[[], None] | None = None
+    ) -> None:
+        """Note a held claim handed out as a suspect: this process takes no other for now.
 
         A suspect lapsed before its task ever started: it may be a message that
-        kills the process receiving it. Whatever this process claimed beside it
-        would die with it, so :meth:`awaits_suspect` holds every further claim
-        back until its task is heard to start (:meth:`started`), it is settled
-        or released, its lease is found lost, or ``for_s`` seconds passed (a
+        kills the process receiving it. Should this process die before it
+        starts, the sweep blames it alone and forgives every other claim of
+        its queue, so this process holds one at a time (:meth:`awaits_suspect`):
+        until its task is heard to start (:meth:`started`), it is settled or
+        released, its lease is found lost, or ``for_s`` seconds passed (a
         message that kills its receiver does so at once; one that waits, say
-        for its ETA or a rate limit, must not stop the consumer for long).
+        for its ETA or a rate limit, must not hold back the next for long).
+        ``on_clear`` is called (outside the keeper's lock, in the thread that
+        heard of it) once it starts, is settled or released.
         """
         with self._lock:
             if tag in self._held:
                 self._suspects[tag] = time.monotonic() + for_s
+                if on_clear is not None:
+                    self._on_clear[tag] = on_clear
+
+    def _clear_suspect(self, tag: str) -> Callable[[], None] | None:
+        """Drop a suspect; return what to call now that it is cleared. Under the lock."""
+        self._suspects.pop(tag, None)
+        return self._on_clear.pop(tag, None)
+
+    @staticmethod
+    def _tell_cleared(on_clear: Callable[[], None] | None) -> None:
+        if on_clear is not None:
+            try:
+                on_clear()
+            except Exception:
+                logger.debug("celery_emq: a suspect's clearing was not told", exc_info=True)
 
     def started(self, tag: str) -> None:
-        """Note that a held claim's task started: a suspect no longer holds claims back."""
+        """Note that a held claim's task started: it is no longer a suspect of this process."""
         with self._lock:
-            self._suspects.pop(tag, None)
+            on_clear = self._clear_suspect(tag)
+        self._tell_cleared(on_clear)
 
     def awaits_suspect(self) -> bool:
-        """Whether a suspect this process holds has not started yet: claim nothing now."""
+        """Whether a suspect this process holds has not started yet: take no other now."""
         now = time.monotonic()
         with self._lock:
             for tag, until in list(self._suspects.items()):
                 if tag not in self._held or tag in self._lost or now >= until:
-                    del self._suspects[tag]
+                    self._clear_suspect(tag)
             return bool(self._suspects)
 
     def suspect_hold_s(self) -> float:
-        """How long, at most, the suspects this process holds keep claims back (0: none)."""
+        """How long, at most, the suspect this process holds counts as one (0: none)."""
         if not self.awaits_suspect():
             return 0.0
         with self._lock:

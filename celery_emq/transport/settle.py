@@ -9,8 +9,7 @@ trip). It sends at once when it holds :data:`SETTLE_BATCH` settles, when a
 channel closes, when the process exits, when a task is about to run in the
 process that holds its claim (that start record must reach Redis before the
 task's body runs, and it carries the queued acks with it), and before the
-process takes a suspect (see ``Consuming._claim``): :meth:`SettleBatcher.alone`
-tells whether any ack could die with one.
+process takes a suspect (see ``Consuming._claim``): none of them may die with it.
 
 Outside a running worker (a plain kombu consumer, the CLI, a test) nothing
 waits: each settle is sent when it is made, as before.
@@ -98,16 +97,6 @@ class SettleBatcher:
         with self._lock:
             return len(self._acks) + len(self._starts) + self._sending
 
-    def alone(self) -> tuple[bool, bool]:
-        """Whether this process holds no claim, and whether settles of it wait to reach Redis.
-
-        Read in one step with :meth:`ack_tags`: no claim it acks is seen
-        neither held nor waiting.
-        """
-        with self._lock:
-            waiting = len(self._acks) + len(self._starts) + self._sending
-            return keeper().held_count() == 0, waiting > 0
-
     def ack(self, claims: Sequence[Claim]) -> None:
         """Ack finished claims (already forgotten by the keeper), now or within the delay."""
         if claims:
@@ -151,7 +140,7 @@ class SettleBatcher:
         except BaseException:
             with self._lock:
                 # Interrupted before any send took it: no record for a body
-                # that may not run, and nothing left waiting in alone().
+                # that may not run.
                 self._starts.pop(tag, None)
             raise
         finally:
@@ -163,7 +152,7 @@ class SettleBatcher:
         delay_ms = self.effective_delay_ms
         with self._lock:
             if forget:
-                # Under this lock, so alone() never sees them neither held nor queued.
+                # Under this lock: no claim is seen neither held nor queued.
                 claims = [c for c in map(keeper().forget, forget) if c is not None]
                 if not claims:
                     return
@@ -196,7 +185,7 @@ class SettleBatcher:
             acks, self._acks = self._acks, {}
             starts, self._starts = self._starts, {}
             self._due = None
-            # Still waiting, as far as alone() is concerned, until sent or owed.
+            # Still waiting, as far as queued() is concerned, until sent or owed.
             self._sending = len(acks) + len(starts)
         try:
             for tag in acks:

@@ -17,7 +17,7 @@ from time import monotonic
 from celery_emq.store.jobstore import JobStore
 from celery_emq.store.nodes import Lanes, Troubles
 from celery_emq.transport import lease
-from celery_emq.transport.sweeper import Sweeper, SweepReport
+from celery_emq.transport.sweeper import Contact, Sweeper, SweepReport
 
 __all__ = ["SweepThread", "sweep_thread"]
 
@@ -44,6 +44,8 @@ class SweepThread:
         self._lanes: Lanes[str] = Lanes("celery_emq-sweep")
         self._expiry: Lanes[str] = Lanes("celery_emq-expire")
         self._troubles = Troubles()
+        #: This process's own record of its passes (the outage rule's evidence).
+        self.contact = Contact()
 
     def watch(self, sweeper: Sweeper, queue: str) -> None:
         """Start sweeping ``queue`` with ``sweeper`` (idempotent per store and queue)."""
@@ -109,7 +111,10 @@ class SweepThread:
                 node,
             )
             del by_node[node]
-        shares = {node: partial(_sweep_all, items, now_ms) for node, items in by_node.items()}
+        shares = {
+            node: partial(_sweep_all, items, now_ms, self.contact)
+            for node, items in by_node.items()
+        }
         reports: list[SweepReport] = []
         interval_s = self._interval_s or 5.0
         for node, share in self._lanes.run(shares, interval_s).items():
@@ -166,12 +171,14 @@ class SweepThread:
                 self.run_once()
 
 
-def _sweep_all(targets: list[tuple[Sweeper, str]], now_ms: int | None) -> list[SweepReport]:
+def _sweep_all(
+    targets: list[tuple[Sweeper, str]], now_ms: int | None, contact: Contact
+) -> list[SweepReport]:
     """Sweep each of one node's queues; a queue whose sweep fails is tried next pass."""
     reports = []
     for sweeper, queue in targets:
         try:
-            reports.append(sweeper.sweep(queue, now_ms))
+            reports.append(sweeper.sweep(queue, now_ms, contact))
         except Exception:
             logger.exception("celery_emq: sweep of %s failed; retrying next pass", queue)
     return reports

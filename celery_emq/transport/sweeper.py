@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import cached_property, partial
@@ -26,7 +27,7 @@ from celery_emq.transport.follow_up import FollowUp
 from celery_emq.transport.follow_up import follow_up as registered_follow_up
 from celery_emq.transport.jobs import DEFAULT_ACCEPT, NEVER_STARTED, JobInfo, describe
 
-__all__ = ["SweepReport", "Sweeper"]
+__all__ = ["Contact", "SweepReport", "Sweeper"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,41 @@ class SweepReport:
         return asdict(self)
 
 
+class Contact:
+    """A sweeping process's own record of its passes: its evidence of an outage.
+
+    The sweep's outage rule grants a lapsed lease one more only on the word of
+    a caller that swept the queue before the gap (``since``: the server's
+    clock at its last pass) or failed to reach Redis (``"0"``). A process with
+    no pass behind it vouches for no gap: when every worker died and Redis
+    stayed up, their replacement's first sweep recovers their jobs at once.
+    Keyed by store prefix and queue (a failover changes a queue's node, not
+    the queue).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: dict[tuple[str, str], int | None] = {}
+
+    def since(self, prefix: str, queue: str) -> str:
+        """What this process vouches for on ``queue`` (sweep.lua's ``since_ms``)."""
+        with self._lock:
+            if (prefix, queue) not in self._last:
+                return ""
+            last = self._last[(prefix, queue)]
+        return "0" if last is None else str(last)
+
+    def met(self, prefix: str, queue: str, now_ms: int) -> None:
+        """Note a pass that got through, at the server's ``now_ms``."""
+        with self._lock:
+            self._last[(prefix, queue)] = now_ms
+
+    def failed(self, prefix: str, queue: str) -> None:
+        """Note a pass that did not get through (a first one: this process was cut off)."""
+        with self._lock:
+            self._last.setdefault((prefix, queue), None)
+
+
 class Sweeper:
     """Runs sweep and reap passes over one store's queues.
 
@@ -76,27 +112,41 @@ class Sweeper:
         #: on a Cluster, where the sweep cannot read the registry).
         self.expiring = not store.one_server
 
-    def sweep(self, queue: str, now_ms: int | None = None) -> SweepReport:
+    def sweep(
+        self, queue: str, now_ms: int | None = None, contact: Contact | None = None
+    ) -> SweepReport:
         """Count a stall on every lapsed job of ``queue``; recover or dead-letter each.
 
         The same script calls first promote delayed jobs that are due
         (consumers also promote them, when their wait ends at the earliest due
         time they know of), and apply the morgue's retention: an idle queue
-        costs one call a pass.
+        costs one call a pass. ``contact`` is the sweeping process's record
+        of its passes (the process's sweep thread keeps one); without it the
+        pass cannot tell an outage from a dead fleet and takes any gap since
+        the last sweep as an outage (beat's task, ``celery emq sweep``).
         """
         report = SweepReport(queue)
+        prefix = self.store.prefix
         for _ in range(MAX_CALLS_PER_PASS):
-            swept = self.store.sweep(
-                queue,
-                self.options.max_stalled,
-                "lease_expired",
-                self.options.sweep_batch,
-                now_ms,
-                max_lapsed=self.options.max_lapsed,
-                dead_max_age_ms=self.options.dead_max_age_s * 1000,
-                dead_max_size=self.options.dead_max_size,
-                registry=True,
-            )
+            try:
+                swept = self.store.sweep(
+                    queue,
+                    self.options.max_stalled,
+                    "lease_expired",
+                    self.options.sweep_batch,
+                    now_ms,
+                    max_lapsed=self.options.max_lapsed,
+                    dead_max_age_ms=self.options.dead_max_age_s * 1000,
+                    dead_max_size=self.options.dead_max_size,
+                    registry=True,
+                    since="0" if contact is None else contact.since(prefix, queue),
+                )
+            except Exception:
+                if contact is not None:
+                    contact.failed(prefix, queue)
+                raise
+            if contact is not None and swept.now_ms is not None:
+                contact.met(prefix, queue, swept.now_ms)
             if swept and swept[-1].outcome == "expiring":
                 self.expiring = True
                 swept.pop()

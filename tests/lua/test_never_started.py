@@ -1,4 +1,4 @@
-"""Lapses before a start: counted (``lapsed``), bounded (``never_started``), claimed alone."""
+"""Lapses before a start: counted (``lapsed``), bounded (``never_started``), one suspect a caller."""
 
 from __future__ import annotations
 
@@ -17,9 +17,12 @@ def enqueue(store: JobStore, queue: str, ids: list[str], group: str = "") -> Non
         store.enqueue(queue, i, json.dumps({"id": i}), now_ms=n + 1, group=group)
 
 
-def lapse_unstarted(store: JobStore, queue: str, now_ms: int, alone: bool = True) -> list[str]:
-    """Claim (alone) at ``now_ms`` without starting; return the ids claimed."""
-    return [c.id for c in store.claim(queue, "w1", count=10, now_ms=now_ms, alone=alone)]
+def lapse_unstarted(
+    store: JobStore, queue: str, now_ms: int, take_suspect: bool = True, owner: str = "w1"
+) -> list[str]:
+    """Claim at ``now_ms`` without starting; return the ids claimed."""
+    got = store.claim(queue, owner, count=10, now_ms=now_ms, take_suspect=take_suspect)
+    return [c.id for c in got]
 
 
 def test_lapses_before_a_start_are_counted_and_dead_letter_past_max_lapsed(
@@ -95,74 +98,67 @@ def suspect(store: JobStore, queue: str, job_id: str) -> None:
     store.client.hset(store.keys(queue).job(job_id), "lapsed", 1)
 
 
-def test_a_suspect_stops_a_batch_and_keeps_its_place_and_those_after_it(
+def test_a_suspect_is_taken_beside_other_jobs_one_a_call(
     store: JobStore, client: redis.Redis
 ) -> None:
-    enqueue(store, "q", ["a", "p", "c", "d"])
+    enqueue(store, "q", ["a", "p1", "c", "p2", "d"])
+    suspect(store, "q", "p1")
+    suspect(store, "q", "p2")
+    k = store.keys("q")
+    p2_score = client.zscore(k.pending, "p2")
+    got = store.claim("q", "w1", count=10, now_ms=T0)
+    # One suspect a call: the second keeps its place, the jobs behind it are taken.
+    assert [(c.id, c.suspect) for c in got] == [
+        ("a", False),
+        ("p1", True),
+        ("c", False),
+        ("d", False),
+    ]
+    assert got.passed_suspect
+    assert client.zrange(k.pending, 0, -1, withscores=True) == [(b"p2", p2_score)]
+    # The suspect handed out is noted under its owner, with its claim id.
+    [p1] = [c for c in got if c.id == "p1"]
+    assert client.hget(k.base + "suspects", "w1") == f"p1 {p1.token}".encode()
+    assert 0 < client.pttl(k.base + "suspects") <= 86_400_000
+
+
+def test_a_caller_holding_a_suspect_takes_the_jobs_behind_the_next(
+    store: JobStore, client: redis.Redis
+) -> None:
+    enqueue(store, "q", ["p", "a", "b"])
     suspect(store, "q", "p")
     k = store.keys("q")
-    before = client.zrange(k.pending, 0, -1, withscores=True)
-    # Holding nothing does not let it in behind another job of the batch.
-    assert lapse_unstarted(store, "q", T0, alone=True) == ["a"]
-    assert client.zrange(k.pending, 0, -1, withscores=True) == before[1:]
-    # First in line, it waits for a caller that holds nothing...
-    assert lapse_unstarted(store, "q", T0, alone=False) == []
-    assert client.zrange(k.pending, 0, -1, withscores=True) == before[1:]
-    # ... which takes it alone, however many it asked for.
-    assert lapse_unstarted(store, "q", T0, alone=True) == ["p"]
-    assert lapse_unstarted(store, "q", T0, alone=False) == ["c", "d"]
-    assert client.zrange(k.active, 0, -1) == [b"a", b"c", b"d", b"p"]
+    score = client.zscore(k.pending, "p")
+    got = store.claim("q", "w1", count=10, now_ms=T0, take_suspect=False)
+    assert [c.id for c in got] == ["a", "b"]
+    assert got.passed_suspect
+    assert client.zrange(k.pending, 0, -1, withscores=True) == [(b"p", score)]
+    # Nothing but the suspect left: nothing taken, and the marker popped goes back.
+    client.delete(k.wake)  # the caller popped the last marker (held=1)
+    got = store.claim("q", "w1", count=10, held=1, now_ms=T0, take_suspect=False)
+    assert (list(got), got.passed_suspect) == ([], True)
+    assert client.llen(k.wake) == 1
+    # A caller that may take one takes it; an empty queue passes over nothing.
+    assert lapse_unstarted(store, "q", T0, owner="w2") == ["p"]
+    empty = store.claim("q", "w1", count=10, now_ms=T0, take_suspect=False)
+    assert (list(empty), empty.passed_suspect) == ([], False)
 
 
-def test_a_claim_says_when_a_suspect_it_could_not_take_stopped_it(store: JobStore) -> None:
-    enqueue(store, "q", ["a", "p", "c"])
-    suspect(store, "q", "p")
-
-    def claim(alone: bool) -> tuple[list[str], bool]:
-        got = store.claim("q", "w1", count=10, now_ms=T0, alone=alone)
-        return [c.id for c in got], got.suspect_waits
-
-    # Stopped behind another job of the batch, or first in line but not alone.
-    assert claim(alone=True) == (["a"], True)
-    assert claim(alone=False) == ([], True)
-    # Taken: nothing was left waiting for it.
-    assert claim(alone=True) == (["p"], False)
-    assert claim(alone=False) == (["c"], False)
-    # An empty queue stops nothing.
-    assert claim(alone=False) == ([], False)
-
-
-def test_a_suspect_put_back_in_a_lane_keeps_its_lanes_turn(
+def test_a_suspect_in_a_lane_holds_back_no_other_lane(
     store: JobStore, client: redis.Redis
 ) -> None:
-    # A claim stopped by a suspect it could not take leaves the rotation where
-    # it was: the claim that may take it (alone, next) comes to its lane first,
-    # not to the lane after it, again and again while other lanes have jobs.
-    enqueue(store, "q", ["s"], group="a")
+    enqueue(store, "q", ["s", "a2"], group="a")
     enqueue(store, "q", ["b1", "b2"], group="b")
     suspect(store, "q", "s")
-    client.set(store.keys("q").cursor, "b")  # lane b served last: lane a's turn
-
-    def claim(alone: bool) -> list[str]:
-        return [c.id for c in store.claim("q", "w1", count=1, now_ms=T0, alone=alone)]
-
-    assert claim(alone=False) == []
-    assert claim(alone=True) == ["s"]
-    # Taken, it moved the rotation on: lane b is next.
-    assert claim(alone=False) == ["b1"]
-
-
-def test_a_suspect_in_a_lane_goes_back_to_its_lane(store: JobStore, client: redis.Redis) -> None:
-    enqueue(store, "q", ["g1", "g2"], group="t1")
-    suspect(store, "q", "g2")
     k = store.keys("q")
-    lane = k.base + "g:t1:pending"
-    score = client.zscore(lane, "g2")
-    assert lapse_unstarted(store, "q", T0, alone=False) == ["g1"]
-    assert client.zrange(lane, 0, -1, withscores=True) == [(b"g2", score)]
-    assert client.zrange(k.lanes, 0, -1) == [b"t1"]
-    assert lapse_unstarted(store, "q", T0, alone=False) == []
-    assert lapse_unstarted(store, "q", T0, alone=True) == ["g2"]
+    lane = k.base + "g:a:pending"
+    score = client.zscore(lane, "s")
+    # Passed over in its lane, it keeps its place there; the rotation goes on.
+    assert lapse_unstarted(store, "q", T0, take_suspect=False) == ["a2", "b1", "b2"]
+    assert client.zrange(lane, 0, -1, withscores=True) == [(b"s", score)]
+    assert client.zrange(k.lanes, 0, -1) == [b"a"]
+    assert lapse_unstarted(store, "q", T0, take_suspect=False) == []
+    assert lapse_unstarted(store, "q", T0) == ["s"]
     assert client.zcard(lane) == 0
 
 
@@ -190,7 +186,7 @@ def test_a_job_retried_after_never_started_stays_a_suspect_and_dies_at_its_next_
     assert store.job("q", "p")["state"] == "dead"
     assert store.retry("q", ["p"], now_ms=now) == ["p"]
     assert store.job("q", "p")["lapsed"] == "2"
-    assert lapse_unstarted(store, "q", now, alone=False) == []
+    assert lapse_unstarted(store, "q", now, take_suspect=False) == []
     assert lapse_unstarted(store, "q", now) == ["p"]
     now += store.lease_ms + 1
     client.hset(store.keys("q").base + "swept", "at", now - 1)
@@ -198,13 +194,54 @@ def test_a_job_retried_after_never_started_stays_a_suspect_and_dies_at_its_next_
     assert (swept.id, swept.outcome) == ("p", "never_started")
 
 
-def test_the_claim_says_which_job_it_handed_out_as_a_suspect(store: JobStore) -> None:
-    enqueue(store, "q", ["a", "p", "c"])
+def lapse_all(store: JobStore, queue: str, now_ms: int) -> dict[str, tuple[str, int, str]]:
+    """Sweep past every lease (sweeps ran till then); each job's outcome, stalls, lapses."""
+    store.client.hset(store.keys(queue).base + "swept", "at", now_ms - 1)
+    swept = store.sweep(queue, max_stalled=1, now_ms=now_ms, max_lapsed=8)
+    return {
+        j.id: (j.outcome, j.stalled, store.job(queue, j.id).get("lapsed", "0")) for j in swept
+    }
+
+
+def test_an_owner_that_dies_holding_a_suspect_blames_it_alone(store: JobStore) -> None:
+    enqueue(store, "q", ["p", "run", "wait"])
     suspect(store, "q", "p")
+    claimed = {c.id: c for c in store.claim("q", "w1", count=10, now_ms=T0)}
+    assert claimed["p"].suspect
+    # One neighbour started, one did not; the suspect never started: w1 died of it.
+    bulk_start(store, "q", [("run", claimed["run"].token)])
+    outcomes = lapse_all(store, "q", T0 + store.lease_ms + 1)
+    assert outcomes == {
+        "p": ("requeued", 0, "2"),
+        "run": ("requeued", 0, "0"),
+        "wait": ("requeued", 0, "0"),
+    }
+    assert store.metrics("q")["stalled"] == 0
 
-    def claim(alone: bool) -> list[tuple[str, bool]]:
-        return [(c.id, c.suspect) for c in store.claim("q", "w1", count=10, now_ms=T0, alone=alone)]
 
-    assert claim(alone=True) == [("a", False)]
-    assert claim(alone=True) == [("p", True)]
-    assert claim(alone=False) == [("c", False)]
+def test_a_suspect_that_started_shields_no_neighbour(store: JobStore) -> None:
+    enqueue(store, "q", ["p", "run", "wait"])
+    suspect(store, "q", "p")
+    claimed = {c.id: c for c in store.claim("q", "w1", count=10, now_ms=T0)}
+    bulk_start(store, "q", [(i, claimed[i].token) for i in ("p", "run")])
+    outcomes = lapse_all(store, "q", T0 + store.lease_ms + 1)
+    assert outcomes == {
+        "p": ("recovered", 1, "0"),
+        "run": ("recovered", 1, "0"),
+        "wait": ("requeued", 0, "1"),
+    }
+
+
+def test_another_owners_suspect_shields_no_one_else(store: JobStore) -> None:
+    enqueue(store, "q", ["p", "a", "b"])
+    suspect(store, "q", "p")
+    assert [c.id for c in store.claim("q", "w1", count=1, now_ms=T0)] == ["p"]
+    [a] = store.claim("q", "w2", count=1, now_ms=T0)
+    [b] = store.claim("q", "w2", count=1, now_ms=T0)
+    bulk_start(store, "q", [("a", a.token)])
+    outcomes = lapse_all(store, "q", T0 + store.lease_ms + 1)
+    assert outcomes == {
+        "p": ("requeued", 0, "2"),
+        "a": ("recovered", 1, "0"),
+        "b": ("requeued", 0, "1"),
+    }

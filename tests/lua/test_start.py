@@ -71,16 +71,15 @@ def test_a_second_crash_dead_letters_the_poison_and_never_charges_the_innocent(
 ) -> None:
     enqueue_batch(store)
     crash(store, 1000, max_stalled=1)
-    # The innocents lapsed before they started: each is claimed alone now (see
-    # test_never_started.py), and its start clears the count.
+    # The innocents lapsed before they started: suspects now (see
+    # test_never_started.py), each claimed and started, which clears the count.
     for i in ("j0", "j1"):
-        [c] = store.claim("q", "w1", count=4, now_ms=20_000, alone=True)
+        [c] = store.claim("q", "w1", count=1, now_ms=20_000)
         assert c.id == i
         assert store.start("q", c.id, c.token) is Outcome.OK
         assert store.ack("q", c.id, c.token) is Outcome.OK
     # The poison started, so its lapse was a stall, not a lapse: it is no suspect.
-    # Its batch stops before the suspect behind it.
-    [poison] = store.claim("q", "w1", count=4, now_ms=50_000, alone=True)
+    [poison] = store.claim("q", "w1", count=1, now_ms=50_000)
     assert poison.id == "poison"
     assert store.start("q", "poison", poison.token) is Outcome.OK
     sweeps_ran_until(store, "q", 50_000 + store.lease_ms)

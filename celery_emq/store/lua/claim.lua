@@ -7,7 +7,7 @@
   KEYS[6] lanes     <p>:{q}:lanes (ZSET of groups with a lane, score 0)
   KEYS[7] cursor    <p>:{q}:cursor (STRING, the lane served last)
   KEYS[8] expires   <p>:{q}:expires (STRING, present while an x-expires queue is in use)
-  KEYS[9] base      <p>:{q}: (job rows and lane keys derive from it)
+  KEYS[9] base      <p>:{q}: (job rows, lane keys and `suspects` derive from it)
   ARGV[1] now_ms    '' takes the Redis server's clock
   ARGV[2] lease_ms
   ARGV[3] owner     worker identity that will renew the leases
@@ -15,29 +15,33 @@
   ARGV[5] held      wake markers the caller already popped (BRPOP): 0 or 1
   ARGV[6] ttl_ms    > 0 for an x-expires queue: a claim is a use, so the queue lives on
   ARGV[7] nonce     a random value the caller made for this call (never reused)
-  ARGV[8] alone     1 when the caller holds no claim at all (of any queue), else 0
+  ARGV[8] suspects  1 when the caller may take one suspect (it holds none that has
+                    not started), else 0
   Returns a flat array: id, message, stalled, deliveries, revoked, suspect, ... per
   claimed job (the message as stored, see celery_emq/codec.py; revoked is 1 for a
-  delayed job promoted by a revoke, else 0; suspect is 1 for a job handed out alone
-  because it lapsed before its task started, else 0), and one more item, 'suspect',
-  when the batch stopped before a suspect it could not take (see below).
+  delayed job promoted by a revoke, else 0; suspect is 1 for a job that lapsed before
+  its task started, else 0), and one more item, 'suspect', when the call passed over
+  a suspect it could not take (see below).
   Each claim's fencing token is its claim id, `<deliveries>.<nonce>`, kept in the
   row's `claim` field: every later settle names it. The delivery count alone can
   repeat when the server loses its last writes; the nonce cannot.
   With lanes, claims rotate one job at a time over the default lane and each
   group's lane (in name order), so no group can starve another.
-  A job whose lease lapsed before its task started (`lapsed` on its row) may be a
-  message that kills its worker before the task starts: it is claimed alone, by
-  a caller that holds nothing (alone), so no other claim dies with it. Otherwise
-  the batch stops before it, and it and those after it stay where they were. The
-  caller claims nothing more while it holds a suspect that has not started.
+  Suspects: a job whose lease lapsed before its task started (`lapsed` on its row)
+  may be a message that kills its worker before the task starts. A caller takes at
+  most one at a time (one per call, and none while it holds one not yet started);
+  a suspect it may not take stays where it is, in its place, and the claim takes
+  the jobs behind it (at most LOOK suspects are passed over per call). A suspect
+  handed out is noted in `<base>suspects` (owner -> id and claim id): should its
+  owner die before the suspect starts, the sweep blames it alone, and forgives the
+  owner's other claims of this queue (sweep.lua).
 ]]
 local pending, active, wake, seq, head = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local lanes, cursor, expires, base = KEYS[6], KEYS[7], KEYS[8], KEYS[9]
 local lease_ms, owner = tonumber(ARGV[2]), ARGV[3]
 local count, held, ttl_ms = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local nonce = ARGV[7]
-local alone = ARGV[8] == '1'
+local may_take_suspect = ARGV[8] == '1'
 local now_ms = tonumber(ARGV[1])
 if not now_ms then
   local t = redis.call('TIME')
@@ -47,22 +51,55 @@ if ttl_ms > 0 then
   redis.call('SET', expires, 1, 'PX', ttl_ms)
 end
 
--- Each id popped, with its score and its group (false: the default lane).
-local ids, scores, groups = {}, {}, {}
--- With lanes: the lane served last before this call (false: no rotation).
-local served_before = false
+-- Most suspects one call passes over (each is popped and put back).
+local LOOK = 32
+-- A suspect's note ends this long after the last suspect handed out (one day).
+local SUSPECTS_TTL_MS = 86400000
+
+-- Each id taken, with its row, its score and its group (false: the default lane);
+-- each suspect passed over, with its score and lane, to put back.
+local ids, rows, scores, groups = {}, {}, {}, {}
+local passed = {}
+local suspect_taken = false
+
+-- Take `id` (popped with `score` from the lane of `group`) unless it is a suspect
+-- the caller may not take: then it is noted to go back. Returns whether taken.
+local function offer(id, score, group)
+  local row = redis.call('HMGET', base .. 'job:' .. id, 'state', 'stalled', 'payload', 'revoked',
+    'lapsed')
+  if tonumber(row[5] or '0') > 0 then
+    if suspect_taken or not may_take_suspect then
+      passed[#passed + 1] = {id, score, group}
+      return false
+    end
+    suspect_taken = true
+  end
+  ids[#ids + 1] = id
+  rows[#ids], scores[#ids], groups[#ids] = row, score, group
+  return true
+end
+
 if redis.call('EXISTS', lanes) == 0 then
-  local popped = redis.call('ZPOPMIN', pending, count)
-  for i = 1, #popped, 2 do
-    ids[#ids + 1] = popped[i]
-    scores[#ids], groups[#ids] = popped[i + 1], false
+  local want = count
+  while want > 0 do
+    local popped = redis.call('ZPOPMIN', pending, want)
+    if #popped == 0 then
+      break
+    end
+    for i = 1, #popped, 2 do
+      offer(popped[i], popped[i + 1], false)
+    end
+    want = count - #ids
+    if #passed >= LOOK then
+      break
+    end
+    want = math.min(want, LOOK - #passed)
   end
 else
   -- The rotation is: default lane (''), then each group in name order, around.
   local last = redis.call('GET', cursor) or ''
-  served_before = last
   local misses = 0
-  while #ids < count and misses <= 1 do
+  while #ids < count and misses <= 1 and #passed < LOOK do
     local nxt
     if last == '' then
       nxt = redis.call('ZRANGE', lanes, '-', '+', 'BYLEX', 'LIMIT', 0, 1)[1]
@@ -76,15 +113,19 @@ else
     else
       last = ''
     end
-    local got = redis.call('ZPOPMIN', lane, 1)
-    if got[1] then
-      ids[#ids + 1] = got[1]
-      scores[#ids], groups[#ids] = got[2], nxt or false
+    -- This lane's turn: its first job the caller may take.
+    local got = false
+    while not got and #passed < LOOK do
+      local popped = redis.call('ZPOPMIN', lane, 1)
+      if not popped[1] then
+        break
+      end
+      got = offer(popped[1], popped[2], nxt or false)
+    end
+    if got then
       misses = 0
-    elseif nxt then
-      redis.call('ZREM', lanes, nxt)
-    else
-      -- The default lane was empty: one more empty turn after it means every lane is.
+    elseif not nxt then
+      -- The default lane gave nothing: one more such turn after it means every lane did.
       misses = misses + 1
     end
     if nxt and redis.call('EXISTS', lane) == 0 then
@@ -94,56 +135,41 @@ else
   redis.call('SET', cursor, last)
 end
 
--- Put the ids from the i-th on back where they were, unclaimed; the rotation
--- resumes after the lane of the last id claimed, so the lane of one put back
--- is served first next time (a suspect waiting in a lane holds its turn).
-local function put_back(i)
-  if served_before then
-    local served = served_before
-    if i > 1 then
-      served = groups[i - 1] or ''
-    end
-    redis.call('SET', cursor, served)
+-- Suspects passed over go back where they were: their place in line is kept.
+for _, p in ipairs(passed) do
+  local lane = pending
+  if p[3] then
+    lane = base .. 'g:' .. p[3] .. ':pending'
+    redis.call('ZADD', lanes, 0, p[3])
   end
-  for j = i, #ids do
-    local lane = pending
-    if groups[j] then
-      lane = base .. 'g:' .. groups[j] .. ':pending'
-      redis.call('ZADD', lanes, 0, groups[j])
-    end
-    redis.call('ZADD', lane, scores[j], ids[j])
-  end
+  redis.call('ZADD', lane, p[2], p[1])
 end
 
 local out = {}
-local stopped = false
 for i, id in ipairs(ids) do
   local job = base .. 'job:' .. id
-  local row = redis.call('HMGET', job, 'state', 'stalled', 'payload', 'revoked', 'lapsed')
+  local row = rows[i]
   local suspect = tonumber(row[5] or '0') > 0
-  if suspect and (#out > 0 or not alone) then
-    put_back(i)
-    stopped = true
-    break
-  end
   -- A row can be missing only when a foreign writer deleted it: skip the id.
   if row[1] then
     -- Rows written before messages had a key of their own hold it as `payload`.
     local message = redis.call('GET', base .. 'msg:' .. id) or row[3] or ''
     local deliveries = redis.call('HINCRBY', job, 'deliveries', 1)
+    local claim = deliveries .. '.' .. nonce
     redis.call('HSET', job, 'state', 'active', 'owner', owner, 'claimed_ms', now_ms,
-      'claim', deliveries .. '.' .. nonce)
+      'claim', claim)
     redis.call('ZADD', active, now_ms + lease_ms, id)
+    if suspect then
+      local suspects = base .. 'suspects'
+      redis.call('HSET', suspects, owner, id .. ' ' .. claim)
+      redis.call('PEXPIRE', suspects, SUSPECTS_TTL_MS)
+    end
     out[#out + 1] = id
     out[#out + 1] = message
     out[#out + 1] = tonumber(row[2] or '0')
     out[#out + 1] = deliveries
     out[#out + 1] = row[4] and 1 or 0
     out[#out + 1] = suspect and 1 or 0
-  end
-  if suspect then
-    put_back(i + 1)
-    break
   end
 end
 local claimed = #out / 6
@@ -153,13 +179,16 @@ if redis.call('ZCARD', pending) == 0 and redis.call('EXISTS', lanes) == 0 then
   -- drained queue (a reply queue, say) leaves no keys behind.
   redis.call('DEL', wake, seq, head, cursor)
 else
-  -- Keep the wake list in step with pending: one marker leaves per claimed job.
+  -- Keep the wake list in step with pending: one marker leaves per claimed job,
+  -- and a marker popped for a job this call could not take goes back.
   local extra = claimed - held
   if extra > 0 then
     redis.call('RPOP', wake, extra)
+  elseif extra < 0 then
+    redis.call('LPUSH', wake, 1)
   end
 end
-if stopped then
+if #passed > 0 then
   out[#out + 1] = 'suspect'
 end
 return out

@@ -17,7 +17,11 @@
   ARGV[6] max_lapsed  lapses before a start forgiven (see below); -1 never dead-letters
   ARGV[7] dead_max_age_ms  morgue retention: dead jobs older than this are deleted (0: any age)
   ARGV[8] dead_max_size    morgue retention: most dead jobs kept (0: any number)
-  ARGV[9..] id, token pairs: charge these live claims (a worker lost the process
+  ARGV[9] since_ms     the caller's evidence of an outage (see the outage rule): the
+                       server time of its own last pass on this node; '' for a caller
+                       that has none and met no failure; '0' for one that cannot
+                       tell (the gap since any sweep is taken)
+  ARGV[10..] id, token pairs: charge these live claims (a worker lost the process
             running them) instead of examining the lapsed ones; a pair that names
             no live claim changes nothing and is counted in metrics:fenced
             (reason:charge)
@@ -32,6 +36,7 @@
   Registry: given `expiring`, a pass that examines lapsed claims ends with the entry
   '', expiring, SCARD, false when the x-expires registry holds any queue, so the
   caller runs the expiry pass only then (an idle worker sends nothing beside this call).
+  Clock: such a pass ends (after that entry) with '', clock, now_ms, false.
   Retention: a pass that examines lapsed claims (not a charge) then deletes up to `limit`
   dead jobs past the morgue's age or size bounds, oldest deaths first (outcome trimmed,
   stalled 0): every sweep applies it, whether or not a job died since the last. Such a pass
@@ -40,8 +45,12 @@
   Counters end COUNTER_TTL_MS after their last change (every script that counts renews it).
   Outage rule: `<base>swept` (HASH at, from, to) keeps when sweeps ran. A live worker
   renews at least every half lease, so its lease lapses only if Redis did not hear from
-  it for half a lease; a pass finding that no sweep ran for over half a lease takes the
-  gap (from, to) as an outage. A live worker renewed before `from` (Redis answered then),
+  it for half a lease. A caller that swept this node before (since_ms) and finds over
+  half a lease since its own last pass (or since `at`, if older: the record rolled
+  back) was itself cut off from Redis, or Redis from everyone: it takes the gap
+  (from, to) as an outage. A caller with no pass behind it vouches for no gap: when
+  every worker died and Redis stayed up, the first sweep of their replacement sees
+  their lapses as lapses, not as an outage. A live worker renewed before `from` (Redis answered then),
   so its lease lapses after from + lease/2: a lease with a deadline in
   (from + lease/2, to + lease/2] (in the outage, or so soon after it that its keeper had
   no time to renew) is granted one more lease uncounted, once per deadline (`graced`
@@ -51,6 +60,11 @@
   past max_lapsed such lapses (a message that kills its worker before its task
   starts) the job is dead-lettered, reason never_started (outcome never_started).
   A charged claim has started.
+  Blame: a claim handed out as a suspect is noted in `<base>suspects` (owner -> id and
+  claim id, claim.lua). When a lapsed claim's owner held a suspect of this queue whose
+  task never started under that claim, the owner died of it (or may have): the
+  suspect's lapse is counted, and the owner's other lapsed claims of this queue,
+  started or not, are requeued uncounted (outcome requeued, no stall, no lapse).
   Counters: metrics:stalled, :recovered and :failed count each event in field `count`
   and by its reason in field `reason:<reason>`.
   Budget: stalled <= max_stalled recovers (to the front of its queue or lane),
@@ -62,6 +76,7 @@ local limit = tonumber(ARGV[2])
 local default_budget, reason = tonumber(ARGV[3]), ARGV[4]
 local lease_ms, max_lapsed = tonumber(ARGV[5]), tonumber(ARGV[6])
 local dead_max_age_ms, dead_max_size = tonumber(ARGV[7]), tonumber(ARGV[8])
+local since = ARGV[9]
 local now_ms = tonumber(ARGV[1])
 if not now_ms then
   local t = redis.call('TIME')
@@ -75,12 +90,12 @@ local COUNTER_TTL_MS = 2592000000
 local HISTORY = 20
 local SWEPT_TTL_MS = 86400000
 
-local charge = #ARGV >= 9
+local charge = #ARGV >= 10
 local ids, tokens = {}, {}
 -- The outage window lapses are forgiven in (none unless one was seen).
 local outage_from, outage_to
 if charge then
-  for i = 9, math.min(#ARGV, 8 + 2 * limit), 2 do
+  for i = 10, math.min(#ARGV, 9 + 2 * limit), 2 do
     ids[#ids + 1] = ARGV[i]
     tokens[#ids] = ARGV[i + 1]
   end
@@ -88,9 +103,19 @@ else
   local swept = base .. 'swept'
   local seen = redis.call('HMGET', swept, 'at', 'from', 'to')
   local last = tonumber(seen[1])
-  if last and now_ms - last > lease_ms / 2 then
-    outage_from, outage_to = last, now_ms
-    redis.call('HSET', swept, 'from', last, 'to', now_ms)
+  -- Where the gap this caller vouches for began (false: it vouches for none).
+  local gap_from = false
+  if since == '0' then
+    gap_from = last
+  elseif since ~= '' then
+    gap_from = tonumber(since)
+    if last and last < gap_from then
+      gap_from = last
+    end
+  end
+  if gap_from and now_ms - gap_from > lease_ms / 2 then
+    outage_from, outage_to = gap_from, now_ms
+    redis.call('HSET', swept, 'from', gap_from, 'to', now_ms)
   elseif seen[2] then
     outage_from, outage_to = tonumber(seen[2]), tonumber(seen[3])
   end
@@ -137,6 +162,28 @@ if not charge and redis.call('EXISTS', delayed) == 1 then
     out[#out + 1] = false
   end
 end
+-- The suspect each owner held unstarted in this queue (false: none), read once a call.
+local suspects, held_suspect = base .. 'suspects', {}
+local function suspect_of(holder)
+  if not holder or holder == '' then
+    return false
+  end
+  if held_suspect[holder] == nil then
+    local found = false
+    local note = redis.call('HGET', suspects, holder)
+    if note then
+      local sid, sclaim = string.match(note, '^(%S+) (%S+)$')
+      local srow = sid and redis.call('HMGET', base .. 'job:' .. sid, 'claim', 'started', 'owner')
+      if srow and srow[1] == sclaim and srow[2] ~= sclaim and srow[3] == holder then
+        found = sid
+      else
+        redis.call('HDEL', suspects, holder)
+      end
+    end
+    held_suspect[holder] = found
+  end
+  return held_suspect[holder]
+end
 for i, id in ipairs(ids) do
   local job = base .. 'job:' .. id
   local row = redis.call('HMGET', job, 'state', 'owner', 'priority', 'max_stalled', 'payload',
@@ -169,6 +216,8 @@ for i, id in ipairs(ids) do
     -- A lease without a row (a foreign writer deleted it): drop the lease.
     redis.call('ZREM', active, id)
   elseif examine then
+    -- Read before the claim leaves `active`: its owner's suspect may be this job.
+    local blamed = not charge and suspect_of(row[2])
     redis.call('ZREM', active, id)
     local lane = pending
     if row[7] and row[7] ~= '' then
@@ -182,6 +231,17 @@ for i, id in ipairs(ids) do
       redis.call('HINCRBY', base .. 'metrics:completed', 'count', 1)
       redis.call('PEXPIRE', base .. 'metrics:completed', COUNTER_TTL_MS)
       outcome = 'completed'
+    elseif blamed and blamed ~= id then
+      -- Its owner died holding a suspect that never started: the suspect is blamed,
+      -- this claim forgiven (started or not), back at the front uncounted.
+      stalled = tonumber(redis.call('HGET', job, 'stalled') or '0')
+      if lane ~= pending then
+        redis.call('ZADD', lanes, 0, row[7])
+      end
+      redis.call('ZADD', lane, front(i, row[3]), id)
+      redis.call('HSET', job, 'state', 'pending', 'owner', '', 'reason', reason)
+      redis.call('LPUSH', wake, 1)
+      outcome = 'requeued'
     elseif not charge and row[9] ~= token then
       -- Never started under this claim: not the job's fault, so not a stall. Yet a
       -- message that kills its worker before its task starts lapses like this every
@@ -320,5 +380,12 @@ if not charge and registry then
     out[#out + 1] = registered
     out[#out + 1] = false
   end
+end
+if not charge then
+  -- The server's clock at this pass: the caller's evidence of its contact (since_ms).
+  out[#out + 1] = ''
+  out[#out + 1] = 'clock'
+  out[#out + 1] = now_ms
+  out[#out + 1] = false
 end
 return out
