@@ -70,6 +70,8 @@ DEFAULT_BUDGET = 1
 MAX_LAPSED = 2
 #: Lanes a sweep looks at for a claimable job when the wake list is empty (sweep.lua).
 LANES_LOOKED = 8
+#: Most suspects one claim passes over (claim.lua's LOOK).
+CLAIM_LOOK = 32
 METRICS = ("completed", "recovered", "stalled", "failed", "retried")
 #: Which claim a settle names (see ``JobStoreModel._claims_of``).
 KINDS = ("live", "fenced", "lapsed", "any")
@@ -145,6 +147,8 @@ class JobStoreModel(RuleBasedStateMachine):
         self.cursor = ""
         self.wake = 0
         self.lost = 0
+        # Each owner's note of the suspect it was last handed (``<id> <claim id>``).
+        self.suspect_notes: dict[str, str] = {}
         self.metrics = dict.fromkeys(METRICS, 0)
         # Per counter, the part of it each reason accounts for (field ``reason:<reason>``).
         self.reasons: dict[str, dict[str, int]] = {name: {} for name in METRICS}
@@ -205,44 +209,63 @@ class JobStoreModel(RuleBasedStateMachine):
         jobs = self._lane(lane)
         return jobs[0] if jobs else None
 
-    def _claim_model(self, owner: str, count: int, held: int, alone: bool = False) -> list[Claimed]:
+    def _claim_model(
+        self, owner: str, count: int, held: int, take_suspect: bool = True
+    ) -> list[Claimed]:
         taken: list[Job] = []
-        rotating, served_before = bool(self.lanes), self.cursor
+        # Suspects passed over: out of their lane until the call ends, then back in place.
+        passed: list[Job] = []
+        may_take = take_suspect
+
+        def offer(job: Job) -> bool:
+            nonlocal may_take
+            job.state = "passing"
+            if job.lapsed:
+                if not may_take:
+                    passed.append(job)
+                    return False
+                may_take = False
+            taken.append(job)
+            return True
+
         if not self.lanes:
-            taken = self._lane("")[:count]
-            for job in taken:
-                job.state = "active"
+            want = count
+            while want > 0:
+                chunk = self._lane("")[:want]
+                if not chunk:
+                    break
+                for job in chunk:
+                    offer(job)
+                want = count - len(taken)
+                if len(passed) >= CLAIM_LOOK:
+                    break
+                want = min(want, CLAIM_LOOK - len(passed))
         else:
             # One job at a time over the default lane, then each group in name order.
             last, misses = self.cursor, 0
-            while len(taken) < count and misses <= 1:
+            while len(taken) < count and misses <= 1 and len(passed) < CLAIM_LOOK:
                 after = sorted(g for g in self.lanes if g > last)
                 nxt = after[0] if after else None
                 lane = last = nxt or ""
-                job = self._pop(lane)
-                if job is not None:
-                    job.state = "active"
-                    taken.append(job)
+                got = False
+                while not got and len(passed) < CLAIM_LOOK:
+                    job = self._pop(lane)
+                    if job is None:
+                        break
+                    got = offer(job)
+                if got:
                     misses = 0
                 elif nxt is None:
                     misses += 1
                 if nxt is not None and not self._lane(nxt):
                     self.lanes.discard(nxt)
             self.cursor = last
-        # A suspect is taken only alone and first; the batch stops before it
-        # otherwise, and the rest of it stays where it was (its lane included).
-        for i, job in enumerate(taken):
-            if job.lapsed:
-                keep = 1 if i == 0 and alone else i
-                for back in taken[keep:]:
-                    back.state = "pending"
-                    if back.group:
-                        self.lanes.add(back.group)
-                taken = taken[:keep]
-                if rotating:
-                    # The rotation resumes after the lane of the last job claimed.
-                    self.cursor = taken[-1].group if taken else served_before
-                break
+        for job in passed:
+            job.state = "pending"
+            if job.group:
+                self.lanes.add(job.group)
+        for job in taken:
+            job.state = "active"
         expected = []
         for job in taken:
             job.deliveries += 1
@@ -260,12 +283,15 @@ class JobStoreModel(RuleBasedStateMachine):
                     job.lapsed > 0,
                 )
             )
+        for job in taken:
+            if job.lapsed:
+                self.suspect_notes[owner] = job.id  # its claim id is read from the answer
         if not self._in("pending") and not self.lanes:
             self.wake, self.cursor = 0, ""
         else:
             self.wake = max(0, self.wake - max(0, len(taken) - held))
-            # A marker popped for a job the batch stopped before is not given back.
-            self.lost += max(0, held - len(taken))
+            # A marker popped for a job this call could not take goes back.
+            self.wake += max(0, held - len(taken))
         return expected
 
     def _took(self, owner: str, claimed: list[Claimed], expected: list[Claimed]) -> None:
@@ -281,6 +307,8 @@ class JobStoreModel(RuleBasedStateMachine):
                 # The server forgot a claim, and its delivery count was counted again.
                 event("a delivery count issued again after lost writes")
             self.jobs[c.id].token = c.token
+            if c.suspect:
+                self.suspect_notes[owner] = f"{c.id} {c.token}"
             self.claims.append(Claim(owner, c.id, c.token))
             self.holding[owner].append((c.id, c.token))
 
@@ -473,27 +501,37 @@ class JobStoreModel(RuleBasedStateMachine):
             self.jobs[c.id].lapsed = 0
 
     @precondition(lambda self: self._in("pending"))
-    @rule(owner=st.sampled_from(OWNERS), count=COUNTS, run=st.booleans(), alone=st.booleans())
-    def claim(self, owner: str, count: int, run: bool, alone: bool) -> None:
-        expected = self._claim_model(owner, count, held=0, alone=alone)
-        claimed = self.store.claim(QUEUE, owner, count, now_ms=self.now, alone=alone)
+    @rule(owner=st.sampled_from(OWNERS), count=COUNTS, run=st.booleans(), take=st.booleans())
+    def claim(self, owner: str, count: int, run: bool, take: bool) -> None:
+        expected = self._claim_model(owner, count, held=0, take_suspect=take)
+        claimed = self.store.claim(QUEUE, owner, count, now_ms=self.now, take_suspect=take)
         self._took(owner, claimed, expected)
         if run:
             self._run(claimed)
 
     @precondition(lambda self: self._in("pending"))
-    @rule(owner=st.sampled_from(OWNERS), count=COUNTS, run=st.booleans(), alone=st.booleans())
-    def claim_woken(self, owner: str, count: int, run: bool, alone: bool) -> None:
+    @rule(owner=st.sampled_from(OWNERS), count=COUNTS, run=st.booleans(), take=st.booleans())
+    def claim_woken(self, owner: str, count: int, run: bool, take: bool) -> None:
         marker = self.client.rpop(self.k.wake)
         assert (marker is None) == (self.wake == 0)
         # Without a marker the consumer's wait times out and it claims anyway (its scan).
         held = 0 if marker is None else 1
         self._take_marker()
-        expected = self._claim_model(owner, count, held=held, alone=alone)
-        claimed = self.store.claim(QUEUE, owner, count, held=held, now_ms=self.now, alone=alone)
+        expected = self._claim_model(owner, count, held=held, take_suspect=take)
+        claimed = self.store.claim(
+            QUEUE, owner, count, held=held, now_ms=self.now, take_suspect=take
+        )
         self._took(owner, claimed, expected)
         if run:
             self._run(claimed)
+
+    @precondition(lambda self: any(j.lapsed for j in self._in("pending")))
+    @rule(owner=st.sampled_from(OWNERS))
+    def claim_beside_a_suspect(self, owner: str) -> None:
+        """A worker takes a suspect with the jobs around it, and starts none yet."""
+        expected = self._claim_model(owner, 3, held=0)
+        claimed = self.store.claim(QUEUE, owner, 3, now_ms=self.now)
+        self._took(owner, claimed, expected)
 
     # At most two markers go missing at a time, so most wakes still find theirs.
     @precondition(lambda self: self.wake and self.lost < 2)
@@ -653,7 +691,10 @@ class JobStoreModel(RuleBasedStateMachine):
         batch = self._lapsed(limit)
         expected: list[Swept] = [Swept(j.id, "promoted", 0, b"") for j in due]
         front: list[Job | None] = []
+        blamed: dict[str, str | None] = {}
         for job in batch:
+            if job.owner not in blamed:
+                blamed[job.owner] = self._suspect_of(job.owner)
             if (
                 not job.completed
                 and self.outage
@@ -668,6 +709,11 @@ class JobStoreModel(RuleBasedStateMachine):
                 expected.append(Swept(job.id, "completed", job.stalled, b""))
                 front.append(None)
                 self._done(job)
+            elif blamed[job.owner] not in (None, job.id):
+                # Its owner died holding a suspect that never started: forgiven.
+                event("a claim forgiven: its owner held a suspect that never started")
+                expected.append(Swept(job.id, "requeued", job.stalled, b""))
+                front.append(job)
             elif job.started != job.token:
                 job.lapsed += 1
                 if job.lapsed > MAX_LAPSED:
@@ -688,6 +734,24 @@ class JobStoreModel(RuleBasedStateMachine):
             QUEUE, DEFAULT_BUDGET, limit=limit, now_ms=self.now, max_lapsed=MAX_LAPSED
         )
         assert swept == expected
+
+    def _suspect_of(self, owner: str) -> str | None:
+        """The suspect ``owner`` holds unstarted, by its note; a stale note is dropped."""
+        note = self.suspect_notes.get(owner)
+        if not owner or note is None:
+            return None
+        sid, _, claim = note.partition(" ")
+        job = self.jobs.get(sid)
+        if (
+            job is not None
+            and job.state != "gone"
+            and job.token == claim
+            and job.started != claim
+            and job.owner == owner
+        ):
+            return sid
+        del self.suspect_notes[owner]
+        return None
 
     def _swept_markers(self) -> None:
         """What every sweep pass (not a charge) does last to the wake list and cursor."""
@@ -790,7 +854,7 @@ class JobStoreModel(RuleBasedStateMachine):
     #: workers remember (the claims they made and hold) nor the clock.
     SERVER = (
         "jobs", "tail", "head", "lanes", "cursor", "wake", "lost",
-        "metrics", "reasons", "swept_at", "outage", "fenced",
+        "metrics", "reasons", "swept_at", "outage", "fenced", "suspect_notes",
     )  # fmt: skip
 
     @rule()

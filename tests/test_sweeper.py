@@ -362,3 +362,37 @@ def test_the_sweep_thread_promotes_a_job_when_it_falls_due_between_passes(
     assert store.counts("q") == {"pending": 1, "active": 0, "delayed": 0, "dead": 0}
     assert client.llen(store.keys("q").wake) == 1
     thread.unwatch_store(store)
+
+
+def test_the_replacement_of_a_dead_fleet_recovers_at_once_and_a_cut_off_sweeper_grants_grace(
+    app: Celery,
+    client: redis.Redis,
+    prefix: str,
+    captured: dict[str, list[JobInfo]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The only worker swept at 1000 and died; its claim lapses at 6000. Nobody
+    # swept for 8 s, so the sweeps' own schedule looks like an outage; but the
+    # replacement's sweep thread has no pass behind it and vouches for none.
+    monkeypatch.setattr(lease, "_keeper", ManualKeeper("me"))
+    store = JobStore(client, prefix + "emq", 5000)
+    options = EmqOptions(sweep_interval_s=3600)
+    _, dead_workers = lapse_one(app, store, 1000)
+    sweeps_ran_until(store, "celery", 1000)
+    replacement = SweepThread()
+    replacement.watch(Sweeper(store, options, CeleryFollowUp(app)), "celery")
+    [report] = replacement.run_once(now_ms=9000)
+    assert (report.recovered, report.graced) == ([dead_workers], [])
+    # A sweep thread that swept before and was then cut off for 8 s vouches
+    # for the gap: a lapse in it is granted one more lease, uncounted.
+    _, live_workers = lapse_one(app, store, 9000)
+    assert replacement.run_once(now_ms=9100)[0].graced == []
+    [report] = replacement.run_once(now_ms=17_100)
+    assert (report.recovered, report.graced) == ([], [live_workers])
+    # So does one whose first pass failed (it started while Redis was away).
+    failing = SweepThread()
+    broken = JobStore(redis.Redis(port=1, socket_connect_timeout=0.2), prefix + "emq", 5000)
+    failing.watch(Sweeper(broken, options, CeleryFollowUp(app)), "celery")
+    assert failing.run_once(now_ms=30_000) == []
+    assert failing.contact.since(prefix + "emq", "celery") == "0"
+    assert replacement.contact.since(prefix + "emq", "celery") == "17100"

@@ -95,3 +95,51 @@ def test_a_lease_that_lapsed_too_soon_after_the_last_sweep_is_counted(store: Job
     assert outcomes(store, 2000) == {}
     assert outcomes(store, 3000) == {}
     assert outcomes(store, 9000) == {"a": "recovered"}  # 5000 <= 3000 + 2500
+
+
+def sweep_vouching(store: JobStore, now_ms: int, since: str) -> dict[str, str]:
+    return {
+        s.id: s.outcome for s in store.sweep("q", max_stalled=1, now_ms=now_ms, since=since)
+    }
+
+
+def test_a_sweeper_with_no_pass_behind_it_vouches_for_no_outage(store: JobStore) -> None:
+    # The only worker died at 1000 and its replacement sweeps first at 9000:
+    # no sweep ran for 8 s, but nobody saw Redis go away. Its lapse is a lapse.
+    assert outcomes(store, 1000) == {}
+    started_claim(store, "a", 1000)  # deadline 6000
+    assert sweep_vouching(store, 9000, since="") == {"a": "recovered"}
+    assert store.metrics("q")["stalled"] == 1
+
+
+def test_a_sweeper_cut_off_since_its_last_pass_vouches_for_the_gap(store: JobStore) -> None:
+    assert sweep_vouching(store, 1000, since="") == {}
+    started_claim(store, "a", 1000)  # deadline 6000
+    # Its own last pass was at 1000: it could not reach Redis for 8 s.
+    assert sweep_vouching(store, 9000, since="1000") == {"a": "graced"}
+    assert store.metrics("q")["stalled"] == 0
+
+
+def test_a_sweeper_that_never_got_through_takes_the_gap_since_any_sweep(
+    store: JobStore,
+) -> None:
+    assert outcomes(store, 1000) == {}
+    started_claim(store, "a", 1000)
+    # Started while Redis was away ("0"): the gap since the last sweep counts.
+    assert sweep_vouching(store, 9000, since="0") == {"a": "graced"}
+
+
+def test_a_sweep_record_older_than_the_sweepers_own_pass_is_a_rollback(
+    store: JobStore,
+) -> None:
+    # The server came back from a snapshot taken at 1000; the sweeper's own last
+    # pass (at 3000) was lost with it. The gap runs from the record's 1000.
+    assert outcomes(store, 1000) == {}
+    started_claim(store, "a", 1000)  # deadline 6000
+    assert sweep_vouching(store, 6500, since="5800") == {"a": "graced"}
+
+
+def test_the_pass_tells_the_caller_the_servers_clock(store: JobStore) -> None:
+    assert store.sweep("q", max_stalled=1, now_ms=4321).now_ms == 4321
+    assert store.sweep("q", max_stalled=1).now_ms is not None
+    assert store.charge("q", "nosuch", "1.x", 1, "worker_lost", now_ms=4321) is None
