@@ -98,9 +98,7 @@ def test_a_lease_that_lapsed_too_soon_after_the_last_sweep_is_counted(store: Job
 
 
 def sweep_vouching(store: JobStore, now_ms: int, since: str) -> dict[str, str]:
-    return {
-        s.id: s.outcome for s in store.sweep("q", max_stalled=1, now_ms=now_ms, since=since)
-    }
+    return {s.id: s.outcome for s in store.sweep("q", max_stalled=1, now_ms=now_ms, since=since)}
 
 
 def test_a_sweeper_with_no_pass_behind_it_vouches_for_no_outage(store: JobStore) -> None:
