@@ -215,3 +215,26 @@ def test_claims_of_both_versions_take_turns_on_one_row(store: JobStore, old: Old
         ("recovered", 4),
     ]
     assert store.job("q", "a")["deliveries"] == "6"
+
+
+def test_an_old_worker_neither_honours_nor_counts_lapses(store: JobStore, old: OldScripts) -> None:
+    """What docs/versions.md says of suspects in a mixed fleet: only this version keeps them."""
+    k = store.keys("q")
+    for n, i in enumerate(["p", "x"]):
+        store.enqueue("q", i, b"{}", now_ms=n + 1)
+    [claim] = store.claim("q", "new", now_ms=T0)
+    assert claim.id == "p"
+    now = lapsed_at(store)
+    [swept] = store.sweep("q", max_stalled=5, now_ms=now, max_lapsed=3)
+    assert (swept.outcome, store.job("q", "p")["lapsed"]) == ("requeued", "1")
+    # A suspect now: this version's claim takes it only alone; 0.2.0's takes it in a batch.
+    assert old.claim(k, now, count=2) == [("p", 2), ("x", 1)]
+    later = now + LEASE_MS + 1
+    sweeps_ran_until(store, "q", later - 1)
+    # Neither started: the old sweep requeues both without counting a lapse.
+    assert sorted(old.sweep(k, later, 5)) == [("p", "requeued", 0), ("x", "requeued", 0)]
+    assert (store.job("q", "p")["lapsed"], store.job("q", "x").get("lapsed")) == ("1", None)
+    # An old start of it leaves its lapses in place; this version's start clears them.
+    [(_, count), _] = old.claim(k, later, count=2)
+    assert old.start(k, "p", count) == 0
+    assert store.job("q", "p")["lapsed"] == "1"
