@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import redis
 
+from celery_emq.store.codec import pack, unpack
 from celery_emq.store.jobstore import JobStore
 from celery_emq.store.keys import QueueKeys
 from celery_emq.store.outcomes import Outcome
@@ -32,15 +33,26 @@ class OldScripts:
 
     def __init__(self, client: redis.Redis) -> None:
         self.client = client
+        #: The message each job was last claimed with, as stored.
+        self.messages: dict[str, bytes] = {}
         self.scripts = {
             name: client.register_script((OLD / f"{name}.lua").read_text("utf-8"))
-            for name in ("claim", "start", "ack", "extend", "sweep")
+            for name in ("enqueue", "claim", "start", "ack", "extend", "sweep")
         }
+
+    def enqueue(self, k: QueueKeys, job_id: str, message: bytes, now_ms: int) -> int:
+        keys = [
+            *(k.pending, k.wake, k.seq, k.job(job_id), k.lanes, k.expires, k.base),
+            *(k.msg(job_id), k.delayed, k.etas),
+        ]
+        args = [job_id, message, 0, now_ms, 0, "", "", "", ""]
+        return int(self.scripts["enqueue"](keys=keys, args=args))
 
     def claim(self, k: QueueKeys, now_ms: int, owner: str = "old", count: int = 10) -> list[Any]:
         """Claim as 0.2.0 did; return ``(id, deliveries)`` per job (the token is the count)."""
         keys = [k.pending, k.active, k.wake, k.seq, k.head, k.lanes, k.cursor, k.expires, k.base]
         reply = self.scripts["claim"](keys=keys, args=[now_ms, LEASE_MS, owner, count, 0, 0])
+        self.messages.update({reply[i].decode(): reply[i + 1] for i in range(0, len(reply), 5)})
         return [(reply[i].decode(), int(reply[i + 3])) for i in range(0, len(reply), 5)]
 
     def start(self, k: QueueKeys, job_id: str, token: int) -> int:
@@ -238,3 +250,22 @@ def test_an_old_worker_neither_honours_nor_counts_lapses(store: JobStore, old: O
     [(_, count), _] = old.claim(k, later, count=2)
     assert old.start(k, "p", count) == 0
     assert store.job("q", "p")["lapsed"] == "1"
+
+
+def test_jobs_published_by_either_version_are_claimed_and_settled_by_the_other(
+    store: JobStore, old: OldScripts
+) -> None:
+    k = store.keys("q")
+    # Both pack a message as celery_emq/store/codec.py does (unchanged since 0.2.0).
+    assert old.enqueue(k, "from-old", pack('{"id": "from-old"}'), now_ms=1) == 0
+    store.enqueue("q", "from-new", b'{"id":"from-new"}', now_ms=2)
+    [claim] = store.claim("q", "new", now_ms=T0)
+    assert (claim.id, unpack(claim.payload)) == ("from-old", b'{"id": "from-old"}')
+    assert store.start("q", "from-old", claim.token) is Outcome.OK
+    assert store.ack("q", "from-old", claim.token) is Outcome.OK
+    assert old.claim(k, T0) == [("from-new", 1)]
+    assert unpack(old.messages["from-new"]) == b'{"id":"from-new"}'
+    assert old.start(k, "from-new", 1) == 0
+    assert old.ack(k, "from-new", 1) == 0
+    assert store.job("q", "from-old") == store.job("q", "from-new") == {}
+    assert store.client.exists(k.msg("from-old"), k.msg("from-new"), k.pending, k.active) == 0
