@@ -269,3 +269,12 @@ def test_jobs_published_by_either_version_are_claimed_and_settled_by_the_other(
     assert old.ack(k, "from-new", 1) == 0
     assert store.job("q", "from-old") == store.job("q", "from-new") == {}
     assert store.client.exists(k.msg("from-old"), k.msg("from-new"), k.pending, k.active) == 0
+
+
+def test_this_sweep_charges_a_claim_whose_start_holds_its_claim_id(store: JobStore) -> None:
+    """Builds between claim ids and 0.3.0 recorded the claim id in ``started``: still a start."""
+    store.enqueue("q", "a", b'{"id":"a"}', now_ms=1)
+    [claim] = store.claim("q", "new", now_ms=T0)
+    store.client.hset(store.keys("q").job("a"), "started", claim.token)
+    [swept] = store.sweep("q", max_stalled=5, now_ms=lapsed_at(store))
+    assert (swept.outcome, swept.stalled) == ("recovered", 1)
