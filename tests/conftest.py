@@ -134,6 +134,11 @@ def token_of(store: JobStore, queue: str, job_id: str) -> str:
     return store.job(queue, job_id)["claim"]
 
 
+def started_mark(token: object) -> str:
+    """What start.lua records in ``started`` for the claim ``token``: its delivery count."""
+    return str(token).partition(".")[0]
+
+
 def bulk_start(store: JobStore, queue: str, claims: list[tuple[str, str]]) -> None:
     """Record that each claim ``(id, token)`` started its task, through one pipeline."""
     k = store.keys(queue)

@@ -13,6 +13,7 @@ from celery_emq.store.jobstore import JobStore
 from celery_emq.transport.lease import keeper
 from celery_emq.transport.settle import batcher
 from celery_emq.worker import starts
+from tests.conftest import started_mark
 
 
 @pytest.fixture
@@ -72,7 +73,7 @@ def test_in_a_ready_worker_the_ack_goes_with_the_next_start(
         finally:
             job.pop_request()
         assert store.job("q", "a") == {}
-        assert store.job("q", "next")["started"] == str(nxt.token)
+        assert store.job("q", "next")["started"] == started_mark(nxt.token)
         assert b.queued() == 0
     finally:
         b.flush()

@@ -103,7 +103,7 @@ class Job:
     order: tuple[int, int] = (0, 0)  # (priority, position) in its lane while pending
     deliveries: int = 0
     token: str = ""  # the claim id of its latest claim
-    started: str = ""  # the claim id whose task started
+    started: str = ""  # the delivery count of the latest claim whose task started
     stalled: int = 0
     stalls: int = 0  # every stall counted, retries included: the history's entries
     owner: str = ""
@@ -497,7 +497,7 @@ class JobStoreModel(RuleBasedStateMachine):
         """Start the task of every claim at once, as a worker with nothing prefetched does."""
         for c in claimed:
             assert self.store.start(QUEUE, c.id, c.token) == Outcome.OK
-            self.jobs[c.id].started = c.token
+            self.jobs[c.id].started = str(self.jobs[c.id].deliveries)
             self.jobs[c.id].lapsed = 0
 
     @precondition(lambda self: self._in("pending"))
@@ -561,7 +561,7 @@ class JobStoreModel(RuleBasedStateMachine):
             expected = Outcome.FENCED
         else:
             expected = Outcome.OK
-            job.started = c.token
+            job.started = str(job.deliveries)
             job.lapsed = 0
         assert self.store.start(QUEUE, c.id, c.token) == expected
         self._untouched(before)
@@ -714,7 +714,7 @@ class JobStoreModel(RuleBasedStateMachine):
                 event("a claim forgiven: its owner held a suspect that never started")
                 expected.append(Swept(job.id, "requeued", job.stalled, b""))
                 front.append(job)
-            elif job.started != job.token:
+            elif job.started != str(job.deliveries):
                 job.lapsed += 1
                 if job.lapsed > MAX_LAPSED:
                     self._kill(job)
@@ -746,7 +746,7 @@ class JobStoreModel(RuleBasedStateMachine):
             job is not None
             and job.state != "gone"
             and job.token == claim
-            and job.started != claim
+            and job.started != claim.partition(".")[0]
             and job.owner == owner
         ):
             return sid
@@ -772,7 +772,7 @@ class JobStoreModel(RuleBasedStateMachine):
         for job in batch:
             if job.completed:
                 self._done(job)
-            elif job.started != job.token:
+            elif job.started != str(job.deliveries):
                 job.lapsed += 1
         self._to_front([None if j.completed else j for j in batch])
         assert self.store.reap(QUEUE, limit=limit, now_ms=self.now) == [j.id for j in reaped]

@@ -21,7 +21,7 @@ from celery_emq.store.outcomes import Outcome
 from celery_emq.transport import settle
 from celery_emq.transport.lease import Claim, LeaseKeeper
 from celery_emq.transport.settle import SETTLE_BATCH, SettleBatcher
-from tests.conftest import ManualKeeper, bulk_enqueue
+from tests.conftest import ManualKeeper, bulk_enqueue, started_mark
 
 ROUND_TRIP_WAIT_S = 5
 
@@ -108,7 +108,7 @@ def test_deferred_settles_wait_then_go_together_in_one_round_trip(
     assert sent.count(b"EVALSHA") == 3
     assert store.counts("q1") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
     assert store.counts("q2") == {"pending": 0, "active": 1, "delayed": 0, "dead": 0}
-    assert store.job("q2", "s1")["started"] == str(s1.token)
+    assert store.job("q2", "s1")["started"] == started_mark(s1.token)
     assert store.metrics("q1")["completed"] == 2
     assert store.metrics("q2")["completed"] == 1
     assert b.sends == 1
@@ -139,7 +139,7 @@ def test_a_start_sent_now_carries_the_queued_acks(
     b.start_now(running)
     assert len(round_trips) == 1
     assert store.job("q", "done") == {}
-    assert store.job("q", "running")["started"] == str(running.token)
+    assert store.job("q", "running")["started"] == started_mark(running.token)
     assert b.queued() == 0
 
 
@@ -208,7 +208,7 @@ def test_starts_made_while_a_send_is_under_way_go_together_in_the_next(
         time.sleep(0.05)
         assert list(recorded) == ["t1"]
     assert sent == [["t1"], ["t2", "t3"]]
-    assert recorded == {c.job_id: str(c.token) for c in (first, *others)}
+    assert recorded == {c.job_id: started_mark(c.token) for c in (first, *others)}
     assert b.queued() == 0
 
 
@@ -294,7 +294,7 @@ def test_the_start_of_a_task_acked_in_the_same_batch_is_not_sent(
     b.flush()
     assert starts == ["running"]
     assert store.job("q", "finished") == {}
-    assert store.job("q", "running")["started"] == str(running.token)
+    assert store.job("q", "running")["started"] == started_mark(running.token)
 
 
 def test_an_ack_that_cannot_be_sent_is_owed_to_the_keeper(

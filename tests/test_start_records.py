@@ -17,6 +17,7 @@ from celery_emq.transport.qos import refill_at
 from celery_emq.transport.settle import SettleBatcher, batcher
 from celery_emq.worker import marks, starts
 from celery_emq.worker import pool as worker_pool
+from tests.conftest import started_mark
 
 
 @pytest.fixture
@@ -57,7 +58,7 @@ def test_a_job_a_prefork_child_accepted_is_recorded_started_by_the_worker(
     assert worker_batcher.queued() == 1
     assert "started" not in store.job("q", "a")
     worker_batcher.flush()
-    assert store.job("q", "a")["started"] == str(token)
+    assert store.job("q", "a")["started"] == started_mark(token)
 
 
 def test_a_job_of_another_pool_records_its_own_start(
@@ -99,7 +100,7 @@ def test_a_suspect_whose_task_starts_in_this_process_no_longer_holds_claims_back
     finally:
         job.pop_request()
     assert not keeper().awaits_suspect()
-    assert store.job("q", "a")["started"] == str(token)
+    assert store.job("q", "a")["started"] == started_mark(token)
 
 
 def test_a_prefork_child_sends_nothing_when_its_task_starts(

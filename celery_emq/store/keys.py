@@ -107,7 +107,7 @@ JOB_FIELDS: tuple[str, ...] = (
     "claim",  # the latest claim's id, <deliveries>.<nonce>: its fencing token
     "eta_ms",  # a delayed job's ETA
     "task",  # a delayed job's Celery task id (for a revoke)
-    "started",  # the claim id of the latest claim whose task started
+    "started",  # the delivery count of the latest claim whose task started (0.2.0 reads it)
     "completed",  # set when an older claim completed the job while a newer one holds it
     "graced",  # the lease deadline the outage rule granted (once per deadline)
     "lapsed",  # lapses before its task started (a suspect: claimed alone; capped by max_lapsed)

@@ -169,7 +169,11 @@ class EmqTestKit:
             if found is not None:
                 job = self.store.job(*found)
                 live = live_token(job.get("claim"), job.get("deliveries"))
-                if job.get("state") == "active" and job.get("started") == live:
+                # `started` holds the claim's delivery count (claim ids of earlier builds).
+                if job.get("state") == "active" and job.get("started") in (
+                    job.get("deliveries"),
+                    live,
+                ):
                     return found[1]
             if time.monotonic() >= deadline:
                 raise TimeoutError(
@@ -212,8 +216,11 @@ class EmqTestKit:
                     count = int(deliveries or 0) + 1
                     token = f"{count}.{new_nonce()}"
                     fields: dict[str, int | str] = {"deliveries": count, "claim": token}
-                    if started is not None and started == live_token(claim, deliveries):
-                        fields["started"] = token
+                    if started is not None and started in (
+                        deliveries,
+                        live_token(claim, deliveries),
+                    ):
+                        fields["started"] = count
                     pipe.multi()
                     pipe.hset(row, mapping=fields)
                     pipe.zadd(k.active, {job_id: 1}, xx=True)

@@ -270,7 +270,7 @@ def test_a_task_reads_its_claim_from_the_delivery_tag_in_any_process(
     _job_id, token = got["claim"]
     count, _, nonce = token.partition(".")
     assert (count, len(nonce)) == ("1", 16)
-    # The very claim the store holds, and whose start the worker recorded.
-    assert got["row"] == {"claim": token, "started": token, "deliveries": "1"}
+    # The very claim the store holds, and whose start (its delivery count) the worker recorded.
+    assert got["row"] == {"claim": token, "started": "1", "deliveries": "1"}
     assert got["emq_claim"] is None
     assert (got["pid"] != worker.proc.pid) == (pool == "prefork")

@@ -33,7 +33,9 @@ def started_claims(store: JobStore) -> list[str]:
     """The ids of the jobs whose current claim has started (its start record is in)."""
     ids = [i.decode() for i in store.client.zrange(store.keys("celery").active, 0, -1)]
     rows = {i: store.job("celery", i) for i in ids}
-    return [i for i, row in rows.items() if row.get("started") == row.get("claim")]
+    return [
+        i for i, row in rows.items() if "started" in row and row["started"] == row["deliveries"]
+    ]
 
 
 @pytest.mark.parametrize("max_stalled", [0, 1])

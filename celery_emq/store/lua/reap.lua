@@ -54,7 +54,7 @@ for i, id in ipairs(ids) do
     end
     redis.call('ZADD', lane, tonumber(row[4] or '0') * BAND - (top - i + 1), id)
     redis.call('HSET', job, 'state', 'pending', 'owner', '', 'reason', 'lease_expired')
-    if row[5] ~= token then
+    if row[5] ~= row[6] and row[5] ~= token then
       redis.call('HINCRBY', job, 'lapsed', 1)
     end
     redis.call('LPUSH', wake, 1)

@@ -39,7 +39,7 @@ if live ~= token then
   redis.call('PEXPIRE', base .. 'metrics:fenced', COUNTER_TTL_MS)
   return 5
 end
-if unless_started and row[4] == token then
+if unless_started and (row[4] == row[1] or row[4] == token) then
   return 6
 end
 if row[5] then

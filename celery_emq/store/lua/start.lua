@@ -2,6 +2,11 @@
   A lapsed claim whose task never started (prefetched, waiting for its ETA) is
   requeued without a stall by the sweep, counted in `lapsed`; a start clears
   that count (the job's message was received whole).
+  `started` takes the claim's delivery count (the part of its id before the dot), as
+  0.2.0 wrote it, so a sweep of that version (`started` == `deliveries`) also reads
+  the claim as started during a rolling upgrade. The start itself is fenced by the
+  claim id: the count a lost claim leaves is reused only after that claim (and
+  any start of it) is lost, and the worker of the lost claim cannot start the new one.
   KEYS[1] job       <p>:{q}:job:<id> (HASH)
   KEYS[2] fenced    <p>:{q}:metrics:fenced (HASH, fields count and reason:<verb>)
   ARGV[1] token     the claim's id
@@ -26,6 +31,6 @@ if live ~= token then
   redis.call('PEXPIRE', fenced, COUNTER_TTL_MS)
   return 5
 end
-redis.call('HSET', job, 'started', token)
+redis.call('HSET', job, 'started', row[2])
 redis.call('HDEL', job, 'lapsed')
 return 0

@@ -55,7 +55,8 @@
   (from + lease/2, to + lease/2] (in the outage, or so soon after it that its keeper had
   no time to renew) is granted one more lease uncounted, once per deadline (`graced`
   holds the deadline granted): outcome graced.
-  A lapsed claim whose task never started (`started` is not its token) is
+  A lapsed claim whose task never started (`started` holds neither its delivery
+  count, as start.lua writes it, nor its claim id, as earlier builds wrote it) is
   requeued without a stall (outcome requeued), but counted in the row's `lapsed`:
   past max_lapsed such lapses (a message that kills its worker before its task
   starts) the job is dead-lettered, reason never_started (outcome never_started).
@@ -174,7 +175,9 @@ local function suspect_of(holder)
     if note then
       local sid, sclaim = string.match(note, '^(%S+) (%S+)$')
       local srow = sid and redis.call('HMGET', base .. 'job:' .. sid, 'claim', 'started', 'owner')
-      if srow and srow[1] == sclaim and srow[2] ~= sclaim and srow[3] == holder then
+      -- Not started under that claim: `started` holds neither its count nor its id.
+      if srow and srow[1] == sclaim and srow[2] ~= sclaim and srow[2] ~= string.match(sclaim, '^%d+')
+          and srow[3] == holder then
         found = sid
       else
         redis.call('HDEL', suspects, holder)
@@ -242,7 +245,7 @@ for i, id in ipairs(ids) do
       redis.call('HSET', job, 'state', 'pending', 'owner', '', 'reason', reason)
       redis.call('LPUSH', wake, 1)
       outcome = 'requeued'
-    elseif not charge and row[9] ~= token then
+    elseif not charge and row[9] ~= row[8] and row[9] ~= token then
       -- Never started under this claim: not the job's fault, so not a stall. Yet a
       -- message that kills its worker before its task starts lapses like this every
       -- time: such lapses are counted apart, and bounded.

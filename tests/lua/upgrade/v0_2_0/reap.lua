@@ -1,0 +1,53 @@
+--[[ reap: return every lapsed job to the front of its queue (or lane), uncounted.
+  The at-least-once floor: no stall is counted, nothing is dead-lettered.
+  KEYS[1] active    <p>:{q}:active (ZSET, score = lease deadline ms)
+  KEYS[2] pending   <p>:{q}:pending (ZSET)
+  KEYS[3] wake      <p>:{q}:wake (LIST)
+  KEYS[4] head      <p>:{q}:head (STRING, head sequence)
+  KEYS[5] lanes     <p>:{q}:lanes (ZSET of groups with a lane)
+  KEYS[6] base      <p>:{q}: (job rows and lane keys derive from it)
+  ARGV[1] now_ms    '' takes the Redis server's clock
+  ARGV[2] limit     most jobs reaped by this call (1..1000)
+  Returns the array of reaped ids. A job an older claim completed (its ack was
+  fenced) is deleted and counted completed instead, and not returned. A batch keeps its order (earliest lapse first)
+  at the front of the queue.
+]]
+local active, pending, wake, head, lanes, base = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local limit = tonumber(ARGV[2])
+local now_ms = tonumber(ARGV[1])
+if not now_ms then
+  local t = redis.call('TIME')
+  now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local BAND = 1099511627776
+
+local ids = redis.call('ZRANGE', active, '-inf', now_ms, 'BYSCORE', 'LIMIT', 0, limit)
+-- Front-of-queue scores count down from the head sequence: the first of the
+-- batch takes the highest number, so it stays first.
+local top = 0
+if #ids > 0 then
+  top = redis.call('INCRBY', head, #ids)
+end
+local out = {}
+for i, id in ipairs(ids) do
+  local job = base .. 'job:' .. id
+  redis.call('ZREM', active, id)
+  local row = redis.call('HMGET', job, 'state', 'group', 'completed', 'priority')
+  if row[3] then
+    -- An older claim completed the job (its ack was fenced): done, not run again.
+    redis.call('DEL', job, base .. 'msg:' .. id)
+    redis.call('HINCRBY', base .. 'metrics:completed', 'count', 1)
+  elseif row[1] then
+    local lane = pending
+    if row[2] and row[2] ~= '' then
+      lane = base .. 'g:' .. row[2] .. ':pending'
+      redis.call('ZADD', lanes, 0, row[2])
+    end
+    redis.call('ZADD', lane, tonumber(row[4] or '0') * BAND - (top - i + 1), id)
+    redis.call('HSET', job, 'state', 'pending', 'owner', '', 'reason', 'lease_expired')
+    redis.call('LPUSH', wake, 1)
+    out[#out + 1] = id
+  end
+end
+return out

@@ -1,0 +1,51 @@
+--[[ release: return a claimed job to the front of its queue (or lane), uncounted.
+  Fenced by the claim's token. Used for kombu requeue/reject(requeue=True), for
+  a warm shutdown's unstarted deliveries, and for a batch that did not reach
+  the consumer. A release is not a stall: `stalled` is unchanged.
+  KEYS[1] active    <p>:{q}:active (ZSET)
+  KEYS[2] pending   <p>:{q}:pending (ZSET)
+  KEYS[3] wake      <p>:{q}:wake (LIST)
+  KEYS[4] head      <p>:{q}:head (STRING, head sequence)
+  KEYS[5] job       <p>:{q}:job:<id> (HASH)
+  KEYS[6] lanes     <p>:{q}:lanes (ZSET of groups with a lane)
+  KEYS[7] base      <p>:{q}: (lane keys derive from it)
+  ARGV[1] id
+  ARGV[2] token     the claim's delivery count
+  ARGV[3] unless_started  1: leave the claim as it is if its task has started
+  Returns 0 OK, 1 NOT_FOUND (not active), 5 FENCED (active under a newer claim; untouched),
+  6 STARTED (unless_started, and the claim's task has started; untouched),
+  7 COMPLETED (an older claim completed the job: deleted and counted completed).
+]]
+local active, pending, wake, head, job = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local lanes, base = KEYS[6], KEYS[7]
+local id, token, unless_started = ARGV[1], ARGV[2], ARGV[3] == '1'
+
+local BAND = 1099511627776
+
+if not redis.call('ZSCORE', active, id) then
+  return 1
+end
+local row = redis.call('HMGET', job, 'deliveries', 'priority', 'group', 'started', 'completed')
+if row[1] ~= token then
+  return 5
+end
+if unless_started and row[4] == token then
+  return 6
+end
+if row[5] then
+  redis.call('ZREM', active, id)
+  redis.call('DEL', job, base .. 'msg:' .. id)
+  redis.call('HINCRBY', base .. 'metrics:completed', 'count', 1)
+  return 7
+end
+local n = redis.call('INCR', head)
+redis.call('ZREM', active, id)
+local lane = pending
+if row[3] and row[3] ~= '' then
+  lane = base .. 'g:' .. row[3] .. ':pending'
+  redis.call('ZADD', lanes, 0, row[3])
+end
+redis.call('ZADD', lane, tonumber(row[2] or '0') * BAND - n, id)
+redis.call('HSET', job, 'state', 'pending', 'owner', '')
+redis.call('LPUSH', wake, 1)
+return 0
