@@ -725,7 +725,7 @@ class JobStoreModel(RuleBasedStateMachine):
         for i in ids:
             job = self.jobs[i]
             if job.state == "dead" and all(job is not b for b in batch):
-                job.stalled = 0
+                job.stalled = job.lapsed = 0
                 self.metrics["retried"] += 1
                 batch.append(job)
             else:

@@ -294,7 +294,7 @@ class JobStore(Reads, Registry):
         now_ms: int | None = None,
         whole: bool = False,
     ) -> list[str]:
-        """Bring dead jobs back to the front of their queue or lane, stall count reset.
+        """Bring dead jobs back to the front of their queue or lane, stalls and lapses reset.
 
         Returns the ids retried. With ``whole``, if one id of a batch (500) is
         not dead, none of the batch is retried.
