@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
 from functools import partial
 from typing import Any
 
@@ -53,6 +54,19 @@ def lapse_one(app: Celery, store: JobStore, now_ms: int, started: bool = True) -
     if started:
         assert store.start("celery", job.id, job.token) is Outcome.OK
     return result, job.id
+
+
+def failures_stored(app: Celery, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
+    """Note every failure the app's result backend is asked to store: (task id, error)."""
+    stored: list[tuple[str, Any]] = []
+    mark = app.backend.mark_as_failure
+
+    def noting(task_id: str, exc: Any, *args: Any, **kwargs: Any) -> Any:
+        stored.append((task_id, exc))
+        return mark(task_id, exc, *args, **kwargs)
+
+    monkeypatch.setattr(app.backend, "mark_as_failure", noting)
+    return stored
 
 
 @pytest.fixture
@@ -278,6 +292,52 @@ def test_a_dead_letter_of_a_task_that_succeeded_keeps_its_success_and_sends_no_f
     # A job that completed is not left in the morgue.
     assert client.zrange(store.keys("celery").dead, 0, -1) == [failed_id.encode()]
     assert store.job("celery", done_id) == {}
+
+
+@pytest.mark.usefixtures("no_worker_here")
+def test_an_older_success_of_a_reused_task_id_is_not_this_jobs(
+    app: Celery,
+    client: redis.Redis,
+    prefix: str,
+    captured: dict[str, list[JobInfo]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A caller may name its tasks (`task_id="report-2026-12-04"`) and name one again:
+    # the SUCCESS of the earlier task, an hour old, is not the success of this job,
+    # which really died. It is dead-lettered and its failure told.
+    store = JobStore(client, prefix + "emq", 5000)
+    sweeper = Sweeper(store, EmqOptions(max_stalled=0), CeleryFollowUp(app))
+    an_hour_ago = datetime.now(timezone.utc) - timedelta(hours=1)
+    with monkeypatch.context() as m:
+        m.setattr(app, "now", lambda: an_hour_ago)
+        app.backend.mark_as_done("report-1", "yesterday's")
+    failures = failures_stored(app, monkeypatch)
+    app.send_task("proj.tasks.poison", task_id="report-1")
+    [job] = store.claim("celery", "w1", now_ms=1000)
+    assert store.start("celery", job.id, job.token) is Outcome.OK
+    report = sweeper.sweep("celery", now_ms=7000)
+    assert (report.dead, report.completed) == ([job.id], [])
+    assert [j.task_id for j in captured["dead"]] == ["report-1"]
+    # Told to the backend (Celery's key-value backends keep a SUCCESS they hold).
+    assert [(task_id, type(exc)) for task_id, exc in failures] == [("report-1", StalledJobError)]
+    assert client.zrange(store.keys("celery").dead, 0, -1) == [job.id.encode()]
+    assert store.metrics("celery")["failed"] == 1
+
+
+def test_a_success_is_this_jobs_if_stored_after_its_publish_give_or_take_a_second(
+    app: Celery,
+) -> None:
+    # The result's date_done (the worker's clock) against the job's enqueued_ms (the
+    # Redis server's): a second allows for clocks that disagree a little.
+    follow_up = CeleryFollowUp(app)
+    info = JobInfo(id="j", queue="celery", task_id="t1")
+    app.backend.mark_as_done("t1", 1)
+    done_ms = int(app.AsyncResult("t1").date_done.timestamp() * 1000)
+    assert follow_up.succeeded(info, None) is True
+    assert follow_up.succeeded(info, done_ms + 1000) is True
+    assert follow_up.succeeded(info, done_ms + 1001) is False
+    assert follow_up.succeeded(info, done_ms - 60_000) is True
+    assert follow_up.succeeded(JobInfo(id="j", queue="celery", task_id="t2"), None) is False
 
 
 def test_an_rpc_result_is_not_read_back(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -271,10 +271,14 @@ class Sweeper:
         A finished task's ack can be lost with the server's last writes (a
         restart from a snapshot, a failover to a replica that lacked it): the
         job comes back as a started claim that lapses, and the sweep may retire
-        it. Its task did complete, so that is no failure.
+        it. Its task did complete, so that is no failure. Only a success since
+        the job was published is its own (a task id may be given again).
         """
         try:
-            return self.follow_up.succeeded(info)
+            published = self.store.client.hget(
+                self.store.keys(info.queue).job(info.id), "enqueued_ms"
+            )
+            return self.follow_up.succeeded(info, int(published) if published else None)
         except Exception:
             logger.exception("celery_emq: could not learn whether %s succeeded", info.task_id)
             return False
