@@ -294,6 +294,85 @@ def test_a_dead_letter_of_a_task_that_succeeded_keeps_its_success_and_sends_no_f
     assert store.job("celery", done_id) == {}
 
 
+def counted(store: JobStore, queue: str) -> dict[str, int]:
+    """The queue's completed, failed and stalled counters."""
+    metrics = store.metrics(queue)
+    return {name: metrics[name] for name in ("completed", "failed", "stalled")}
+
+
+@pytest.mark.usefixtures("no_worker_here")
+def test_a_never_started_dead_letter_over_a_success_is_a_completion(
+    app: Celery,
+    client: redis.Redis,
+    prefix: str,
+    captured: dict[str, list[JobInfo]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A fast task's start record and its ack, lost together with the server's last
+    # writes: the job looks as if it never started, and with max_lapsed=0 its first
+    # lapse retires it. Its SUCCESS is in the backend: no failure, no signal.
+    store = JobStore(client, prefix + "emq", 5000)
+    sweeper = Sweeper(store, EmqOptions(max_stalled=0, max_lapsed=0), CeleryFollowUp(app))
+    failures = failures_stored(app, monkeypatch)
+    done, job_id = lapse_one(app, store, 1000, started=False)
+    app.backend.mark_as_done(done.id, 42)
+    report = sweeper.sweep("celery", now_ms=7000)
+    assert (report.dead, report.completed, report.requeued) == ([], [job_id], [])
+    assert captured == {"stalled": [], "recovered": [], "dead": []}
+    assert failures == []
+    assert (done.state, done.get(timeout=5)) == ("SUCCESS", 42)
+    assert counted(store, "celery") == {"completed": 1, "failed": 0, "stalled": 0}
+    assert store.counts("celery") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
+    assert store.job("celery", job_id) == {}
+
+
+def test_a_succeeded_job_the_sweep_retires_is_counted_completed_not_failed_nor_stalled(
+    app: Celery, client: redis.Redis, prefix: str
+) -> None:
+    store = JobStore(client, prefix + "emq", 5000)
+    sweeper = Sweeper(store, EmqOptions(max_stalled=0), CeleryFollowUp(app))
+    done, _ = lapse_one(app, store, 1000)
+    app.backend.mark_as_done(done.id, 1)
+    assert len(sweeper.sweep("celery", now_ms=7000).completed) == 1
+    assert counted(store, "celery") == {"completed": 1, "failed": 0, "stalled": 0}
+    # The same when its pool process is lost and the stall charged at once.
+    again, job_id = lapse_one(app, store, 8000)
+    app.backend.mark_as_done(again.id, 2)
+    swept = sweeper.charge("celery", job_id, token_of(store, "celery", job_id), "worker_lost", 0)
+    assert swept is not None and swept.outcome == "completed"
+    assert counted(store, "celery") == {"completed": 2, "failed": 0, "stalled": 0}
+    assert store.counts("celery") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
+    assert client.hgetall(store.keys("celery").metrics("failed")) == {}
+
+
+@pytest.mark.usefixtures("no_worker_here")
+def test_a_sweeper_dying_before_it_asks_the_backend_leaves_no_succeeded_job_in_the_morgue(
+    app: Celery, client: redis.Redis, prefix: str, captured: dict[str, list[JobInfo]]
+) -> None:
+    # The sweeping process dies between the script and the backend's answer: only
+    # the script step ran. The job is not in the morgue (where `dead retry` would run
+    # it again) nor counted; the next pass finds it again, counts nothing twice, and
+    # learns that its task succeeded.
+    store = JobStore(client, prefix + "emq", 5000)
+    k = store.keys("celery")
+    done, job_id = lapse_one(app, store, 1000)
+    app.backend.mark_as_done(done.id, 42)
+    for now_ms in (7000, 7500):  # the dying pass, then a second that dies too
+        [swept] = store.scripts.sweep(k, now_ms, 100, 0, "lease_expired", store.lease_ms)
+        assert client.zcard(k.dead) == 0
+        assert (swept.id, swept.outcome, swept.stalled) == (job_id, "doomed", 1)
+        assert client.zscore(k.active, job_id) == 6000  # still lapsed: found again
+        row = store.job("celery", job_id)
+        assert (row["state"], row["stalled"], row["doomed"]) == ("active", "1", row["claim"])
+        assert counted(store, "celery") == {"completed": 0, "failed": 0, "stalled": 0}
+    sweeper = Sweeper(store, EmqOptions(max_stalled=0), CeleryFollowUp(app))
+    report = sweeper.sweep("celery", now_ms=8000)
+    assert (report.dead, report.completed) == ([], [job_id])
+    assert captured == {"stalled": [], "recovered": [], "dead": []}
+    assert counted(store, "celery") == {"completed": 1, "failed": 0, "stalled": 0}
+    assert store.counts("celery") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
+
+
 @pytest.mark.usefixtures("no_worker_here")
 def test_an_older_success_of_a_reused_task_id_is_not_this_jobs(
     app: Celery,

@@ -11,13 +11,14 @@ the time instead, which is how tests move it. The reads are
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from celery_emq.errors import ReplicasUnconfirmedError
 from celery_emq.store.base import METRICS, PURGE_BATCH
 from celery_emq.store.batch import Batch
 from celery_emq.store.codec import pack
-from celery_emq.store.outcomes import UNSET, Claims, NewJob, Outcome, Scan, Swept, Unset
+from celery_emq.store.outcomes import UNSET, Claims, NewJob, Outcome, Scan, Swept, Unset, Verdict
 from celery_emq.store.reads import ACTIVE_PAGE, LANE_PAGE, OLDEST_LANE_PAGE, Reads
 from celery_emq.store.registry import Registry
 
@@ -234,6 +235,7 @@ class JobStore(Reads, Registry):
         dead_max_age_ms: int = 0,
         dead_max_size: int = 0,
         registry: bool = False,
+        verdict: Verdict | None = None,
     ) -> list[Swept]:
         """Examine up to ``limit`` lapsed claims: count a stall on each that started.
 
@@ -242,6 +244,11 @@ class JobStore(Reads, Registry):
         never started under the lapsed claim is requeued without a stall, but
         such lapses are counted: past ``max_lapsed`` of them (``None``: no
         bound) it is dead-lettered as ``never_started``.
+        A job past its budget is first asked of ``verdict`` (see
+        :data:`~celery_emq.store.outcomes.Verdict`; ``None``: no one can tell):
+        one whose task succeeded after all is deleted as completed (outcome
+        ``completed``), never dead-lettered nor counted failed or stalled.
+        A job settled meanwhile is left out.
         ``max_stalled`` is the budget of jobs that carry none of their own;
         ``None`` never dead-letters. Then up to ``limit`` dead jobs past the
         morgue's retention (``dead_max_age_ms``, ``dead_max_size``; 0 disables
@@ -251,7 +258,7 @@ class JobStore(Reads, Registry):
         n)`` when ``n`` > 0 ``x-expires`` queues are registered (the expiry pass
         has work); on a Cluster the registry lies on another slot and is not read.
         """
-        return self.scripts.sweep(
+        swept = self.scripts.sweep(
             self.keys(queue),
             now_ms,
             limit,
@@ -263,6 +270,7 @@ class JobStore(Reads, Registry):
             dead_max_size=dead_max_size,
             expiring=self.expiring_key if registry and self.one_server else "",
         )
+        return self._retire_doomed(queue, swept, verdict, now_ms)
 
     def charge(
         self,
@@ -272,16 +280,62 @@ class JobStore(Reads, Registry):
         max_stalled: int | None,
         reason: str,
         now_ms: int | None = None,
+        verdict: Verdict | None = None,
     ) -> Swept | None:
         """Count one stall on a live claim whose worker process was lost.
 
-        Returns what the sweep did with it, or ``None`` when the claim is no
-        longer the job's live claim (fenced: nothing changes).
+        Returns what the sweep did with it (past its budget, as :meth:`sweep`
+        with ``verdict``), or ``None`` when the claim is no longer the job's
+        live claim (fenced, or settled meanwhile: nothing changes).
         """
         swept = self.scripts.sweep(
             self.keys(queue), now_ms, 1, max_stalled, reason, self.lease_ms, [(job_id, token)]
         )
+        swept = self._retire_doomed(queue, swept, verdict, now_ms)
         return swept[0] if swept else None
+
+    def retire(
+        self, queue: str, job_id: str, succeeded: bool, now_ms: int | None = None
+    ) -> Outcome:
+        """Settle a job a sweep doomed (see ``retire.lua``).
+
+        Returns ``OK`` (dead-lettered, counted failed, and stalled unless it
+        never started), ``COMPLETED`` (``succeeded``, or an older claim
+        completed it: deleted) or ``NOT_FOUND`` (settled meanwhile).
+        """
+        return self.scripts.retire(self.keys(queue), job_id, succeeded, now_ms)
+
+    def _retire_doomed(
+        self, queue: str, swept: list[Swept], verdict: Verdict | None, now_ms: int | None
+    ) -> list[Swept]:
+        """Retire the jobs a sweep doomed, each as its ``verdict`` says.
+
+        The script counts nothing for them and leaves them where the next sweep
+        finds them again, so a caller that dies on the way leaves none in the
+        morgue or counted: its task may have succeeded.
+        """
+        doomed = [s for s in swept if s.outcome == "doomed"]
+        if not doomed:
+            return swept
+        k = self.keys(queue)
+        with self.client.pipeline(transaction=False) as pipe:
+            for s in doomed:
+                pipe.hmget(k.job(s.id), "reason", "enqueued_ms")
+            rows = dict(zip((s.id for s in doomed), pipe.execute(), strict=True))
+        out = []
+        for s in swept:
+            if s.outcome != "doomed":
+                out.append(s)
+                continue
+            reason, published = rows[s.id]
+            dies = replace(s, outcome="never_started" if reason == b"never_started" else "dead")
+            succeeded = verdict is not None and verdict(dies, int(published) if published else None)
+            outcome = self.scripts.retire(k, s.id, succeeded, now_ms)
+            if outcome is Outcome.OK:
+                out.append(dies)
+            elif outcome is Outcome.COMPLETED:
+                out.append(replace(s, outcome="completed"))
+        return out
 
     def reap(self, queue: str, limit: int = 500, now_ms: int | None = None) -> list[str]:
         """Return up to ``limit`` lapsed jobs to the front of their queue, uncounted."""
