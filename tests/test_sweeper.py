@@ -431,6 +431,15 @@ def test_an_rpc_result_is_not_read_back(monkeypatch: pytest.MonkeyPatch) -> None
     assert read == []
 
 
+def test_no_failure_is_sent_to_an_rpc_reply_queue(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The sweep does not know the caller's reply queue: an RPC backend would take
+    # the current task's (a sweep task's caller), so nothing is stored there.
+    rpc = Celery("rpc", broker="memory://", backend="rpc://", set_as_current=False)
+    stored = failures_stored(rpc, monkeypatch)
+    CeleryFollowUp(rpc, node="w@h").failed(JobInfo(id="j", queue="celery", task_id="t"), str)
+    assert stored == []
+
+
 def test_a_pass_over_an_idle_queue_is_one_script_call_and_promotes_due_jobs(
     store: JobStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:

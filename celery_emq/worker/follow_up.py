@@ -107,7 +107,10 @@ class CeleryFollowUp:
         exc = stalled_error(info)
         try:
             backend = app.backend
-            if not _is_disabled(backend) and not info.headers.get("ignore_result"):
+            # An RPC backend sends a result to the reply queue of the task it runs
+            # under (here none, or a sweep task's): never to this task's caller.
+            stored = not _is_disabled(backend) and not _is_rpc(backend)
+            if stored and not info.headers.get("ignore_result"):
                 backend.mark_as_failure(info.task_id, exc, call_errbacks=False)
         except Exception:
             logger.exception("celery_emq: could not store the failure of %s", info.task_id)
