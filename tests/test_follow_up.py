@@ -86,7 +86,7 @@ class Recording:
     def accept(self) -> frozenset[str]:
         return DEFAULT_ACCEPT
 
-    def succeeded(self, info: JobInfo) -> bool:
+    def succeeded(self, info: JobInfo, since_ms: int | None) -> bool:
         self.calls.append(f"succeeded {info.id}")
         return False
 

@@ -26,6 +26,10 @@ every job must be, and the keys are read back after each step:
   (newest batch first, a batch in its own order), then FIFO;
 * stall counts (and history entries) are the lapses the model counted: a lapsed
   claim counts only if its task had started, a charge always does;
+* a job past its budget is doomed: it stays lapsed in ``active``, counted in its row
+  only, until it is retired (to the morgue, or deleted as done); a sweeper that dies
+  before it retires one (the script step alone) leaves it for the next pass, which
+  counts nothing twice;
 * a settle never changes a live claim of another job, and a stale settle none
   (each one is counted in ``metrics:fenced`` by verb when the job is held by
   another claim): a worker whose claim was lost never settles, starts or renews
@@ -114,6 +118,9 @@ class Job:
     eta: int = 0  # a delayed job's ETA
     revoked: bool = False  # promoted by a revoke of its task
     lapsed: int = 0  # lapses before a start since its last start: a suspect when > 0
+    doomed: str = ""  # the claim id a sweep doomed it under (past its budget)
+    dies: str = ""  # the outcome it is retired with unless it succeeded (dead | never_started)
+    reason: str = ""  # the reason it is retired with
 
 
 @dataclass(frozen=True)
@@ -346,17 +353,45 @@ class JobStoreModel(RuleBasedStateMachine):
         self.reasons[name][reason] = self.reasons[name].get(reason, 0) + 1
 
     def _stall(self, job: Job, reason: str) -> Swept:
-        """Count one stall on an examined claim: recover or dead-letter it."""
+        """Count one stall on an examined claim: recover or doom it."""
         job.stalled += 1
         job.stalls += 1
-        self._count("stalled", reason)
         budget = DEFAULT_BUDGET if job.budget is UNSET else job.budget
         if budget is not None and job.stalled > budget:
-            self._kill(job)
-            self._count("failed", reason)
-            return Swept(job.id, "dead", job.stalled, pack(job.payload))
+            return self._doom(job, "dead", reason)
+        self._count("stalled", reason)
         self._count("recovered", reason)
         return Swept(job.id, "recovered", job.stalled, pack(job.payload))
+
+    def _doom(self, job: Job, dies: str, reason: str) -> Swept:
+        """Past its budget: marked, left lapsed in ``active``, nothing counted yet."""
+        job.doomed, job.dies, job.reason = job.token, dies, reason
+        event(f"doomed: {dies}")
+        return Swept(job.id, "doomed", job.stalled, pack(job.payload))
+
+    def _retire(self, job: Job, succeeded: bool) -> Outcome:
+        """What ``retire`` does with a job: dead-letter it, or delete it as done."""
+        if job.state != "active" or job.doomed != job.token:
+            return Outcome.NOT_FOUND
+        if succeeded or job.completed:
+            self._done(job)
+            return Outcome.COMPLETED
+        self._kill(job)
+        job.doomed = ""
+        if job.reason != "never_started":
+            self._count("stalled", job.reason)
+        self._count("failed", job.reason)
+        return Outcome.OK
+
+    def _retired(self, swept: list[Swept]) -> list[Swept]:
+        """A sweep's answer once each job it doomed is retired (``JobStore.sweep``, no verdict)."""
+        out = []
+        for s in swept:
+            if s.outcome == "doomed":
+                assert self._retire(self.jobs[s.id], succeeded=False) is Outcome.OK
+                s = replace(s, outcome=self.jobs[s.id].dies)
+            out.append(s)
+        return out
 
     def _lapsed(self, limit: int) -> list[Job]:
         jobs = [j for j in self._in("active") if j.deadline <= self.now]
@@ -666,10 +701,15 @@ class JobStoreModel(RuleBasedStateMachine):
             job = self.jobs[c.id]
             expected = Swept(job.id, "completed", job.stalled, b"")
             self._done(job)
+        elif self._live(c) and self.jobs[c.id].doomed == c.token:
+            job = self.jobs[c.id]
+            expected = self._retired([Swept(job.id, "doomed", job.stalled, pack(job.payload))])[0]
         elif self._live(c):
             job = self.jobs[c.id]
             expected = self._stall(job, "worker_lost")
             self._to_front([job if expected.outcome == "recovered" else None])
+            if expected.outcome == "doomed":
+                expected = self._retired([expected])[0]
         swept = self.store.charge(
             QUEUE, c.id, c.token, DEFAULT_BUDGET, "worker_lost", now_ms=self.now
         )
@@ -678,8 +718,9 @@ class JobStoreModel(RuleBasedStateMachine):
         self._forget(c)
 
     @precondition(lambda self: self._lapsed(1))
-    @rule(limit=LIMITS)
-    def sweep(self, limit: int) -> None:
+    @rule(limit=LIMITS, dies=st.booleans())
+    def sweep(self, limit: int, dies: bool) -> None:
+        """A sweep pass; with ``dies``, its process dies after the script (none retired)."""
         if self.swept_at is not None and self.now - self.swept_at > LEASE_MS / 2:
             self.outage = (self.swept_at, self.now)
         self.swept_at = self.now
@@ -709,6 +750,11 @@ class JobStoreModel(RuleBasedStateMachine):
                 expected.append(Swept(job.id, "completed", job.stalled, b""))
                 front.append(None)
                 self._done(job)
+            elif job.doomed == job.token:
+                # Doomed by a pass that died: the same candidate, nothing counted twice.
+                event("a doomed job found again by a sweep")
+                expected.append(Swept(job.id, "doomed", job.stalled, pack(job.payload)))
+                front.append(None)
             elif blamed[job.owner] not in (None, job.id):
                 # Its owner died holding a suspect that never started: forgiven.
                 event("a claim forgiven: its owner held a suspect that never started")
@@ -717,9 +763,7 @@ class JobStoreModel(RuleBasedStateMachine):
             elif job.started != str(job.deliveries):
                 job.lapsed += 1
                 if job.lapsed > MAX_LAPSED:
-                    self._kill(job)
-                    self._count("failed", "never_started")
-                    expected.append(Swept(job.id, "never_started", job.stalled, pack(job.payload)))
+                    expected.append(self._doom(job, "never_started", "never_started"))
                     front.append(None)
                 else:
                     expected.append(Swept(job.id, "requeued", job.stalled, b""))
@@ -730,10 +774,32 @@ class JobStoreModel(RuleBasedStateMachine):
                 front.append(job if swept.outcome == "recovered" else None)
         self._to_front(front)
         self._swept_markers()
+        if dies:
+            swept = self.store.scripts.sweep(
+                self.k, self.now, limit, DEFAULT_BUDGET, "lease_expired", LEASE_MS, (), MAX_LAPSED
+            )
+            assert swept == expected
+            return
         swept = self.store.sweep(
             QUEUE, DEFAULT_BUDGET, limit=limit, now_ms=self.now, max_lapsed=MAX_LAPSED
         )
-        assert swept == expected
+        assert swept == self._retired(expected)
+
+    def _doomed(self) -> list[Job]:
+        return [j for j in self._in("active") if j.doomed == j.token]
+
+    @precondition(lambda self: self._doomed())
+    @rule(data=st.data(), succeeded=st.booleans(), other=st.booleans())
+    def retire(self, data: st.DataObject, succeeded: bool, other: bool) -> None:
+        """A sweeper retires a job a pass that died doomed (``other``: any job)."""
+        job = data.draw(st.sampled_from(sorted(self.jobs.values(), key=lambda j: j.id)))
+        if not other:
+            job = data.draw(st.sampled_from(self._doomed()))
+        before = self._others([Claim("", job.id, job.token)])
+        expected = self._retire(job, succeeded)
+        event(f"retire: {expected.name}")
+        assert self.store.retire(QUEUE, job.id, succeeded, now_ms=self.now) == expected
+        self._untouched(before)
 
     def _suspect_of(self, owner: str) -> str | None:
         """The suspect ``owner`` holds unstarted, by its note; a stale note is dropped."""
@@ -789,7 +855,7 @@ class JobStoreModel(RuleBasedStateMachine):
         for i in ids:
             job = self.jobs[i]
             if job.state == "dead" and all(job is not b for b in batch):
-                job.stalled = 0
+                job.stalled = job.lapsed = 0
                 self.metrics["retried"] += 1
                 batch.append(job)
             else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
 from functools import partial
 from typing import Any
 
@@ -53,6 +54,19 @@ def lapse_one(app: Celery, store: JobStore, now_ms: int, started: bool = True) -
     if started:
         assert store.start("celery", job.id, job.token) is Outcome.OK
     return result, job.id
+
+
+def failures_stored(app: Celery, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
+    """Note every failure the app's result backend is asked to store: (task id, error)."""
+    stored: list[tuple[str, Any]] = []
+    mark = app.backend.mark_as_failure
+
+    def noting(task_id: str, exc: Any, *args: Any, **kwargs: Any) -> Any:
+        stored.append((task_id, exc))
+        return mark(task_id, exc, *args, **kwargs)
+
+    monkeypatch.setattr(app.backend, "mark_as_failure", noting)
+    return stored
 
 
 @pytest.fixture
@@ -280,6 +294,131 @@ def test_a_dead_letter_of_a_task_that_succeeded_keeps_its_success_and_sends_no_f
     assert store.job("celery", done_id) == {}
 
 
+def counted(store: JobStore, queue: str) -> dict[str, int]:
+    """The queue's completed, failed and stalled counters."""
+    metrics = store.metrics(queue)
+    return {name: metrics[name] for name in ("completed", "failed", "stalled")}
+
+
+@pytest.mark.usefixtures("no_worker_here")
+def test_a_never_started_dead_letter_over_a_success_is_a_completion(
+    app: Celery,
+    client: redis.Redis,
+    prefix: str,
+    captured: dict[str, list[JobInfo]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A fast task's start record and its ack, lost together with the server's last
+    # writes: the job looks as if it never started, and with max_lapsed=0 its first
+    # lapse retires it. Its SUCCESS is in the backend: no failure, no signal.
+    store = JobStore(client, prefix + "emq", 5000)
+    sweeper = Sweeper(store, EmqOptions(max_stalled=0, max_lapsed=0), CeleryFollowUp(app))
+    failures = failures_stored(app, monkeypatch)
+    done, job_id = lapse_one(app, store, 1000, started=False)
+    app.backend.mark_as_done(done.id, 42)
+    report = sweeper.sweep("celery", now_ms=7000)
+    assert (report.dead, report.completed, report.requeued) == ([], [job_id], [])
+    assert captured == {"stalled": [], "recovered": [], "dead": []}
+    assert failures == []
+    assert (done.state, done.get(timeout=5)) == ("SUCCESS", 42)
+    assert counted(store, "celery") == {"completed": 1, "failed": 0, "stalled": 0}
+    assert store.counts("celery") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
+    assert store.job("celery", job_id) == {}
+
+
+def test_a_succeeded_job_the_sweep_retires_is_counted_completed_not_failed_nor_stalled(
+    app: Celery, client: redis.Redis, prefix: str
+) -> None:
+    store = JobStore(client, prefix + "emq", 5000)
+    sweeper = Sweeper(store, EmqOptions(max_stalled=0), CeleryFollowUp(app))
+    done, _ = lapse_one(app, store, 1000)
+    app.backend.mark_as_done(done.id, 1)
+    assert len(sweeper.sweep("celery", now_ms=7000).completed) == 1
+    assert counted(store, "celery") == {"completed": 1, "failed": 0, "stalled": 0}
+    # The same when its pool process is lost and the stall charged at once.
+    again, job_id = lapse_one(app, store, 8000)
+    app.backend.mark_as_done(again.id, 2)
+    swept = sweeper.charge("celery", job_id, token_of(store, "celery", job_id), "worker_lost", 0)
+    assert swept is not None and swept.outcome == "completed"
+    assert counted(store, "celery") == {"completed": 2, "failed": 0, "stalled": 0}
+    assert store.counts("celery") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
+    assert client.hgetall(store.keys("celery").metrics("failed")) == {}
+
+
+@pytest.mark.usefixtures("no_worker_here")
+def test_a_sweeper_dying_before_it_asks_the_backend_leaves_no_succeeded_job_in_the_morgue(
+    app: Celery, client: redis.Redis, prefix: str, captured: dict[str, list[JobInfo]]
+) -> None:
+    # The sweeping process dies between the script and the backend's answer: only
+    # the script step ran. The job is not in the morgue (where `dead retry` would run
+    # it again) nor counted; the next pass finds it again, counts nothing twice, and
+    # learns that its task succeeded.
+    store = JobStore(client, prefix + "emq", 5000)
+    k = store.keys("celery")
+    done, job_id = lapse_one(app, store, 1000)
+    app.backend.mark_as_done(done.id, 42)
+    for now_ms in (7000, 7500):  # the dying pass, then a second that dies too
+        [swept] = store.scripts.sweep(k, now_ms, 100, 0, "lease_expired", store.lease_ms)
+        assert client.zcard(k.dead) == 0
+        assert (swept.id, swept.outcome, swept.stalled) == (job_id, "doomed", 1)
+        assert client.zscore(k.active, job_id) == 6000  # still lapsed: found again
+        row = store.job("celery", job_id)
+        assert (row["state"], row["stalled"], row["doomed"]) == ("active", "1", row["claim"])
+        assert counted(store, "celery") == {"completed": 0, "failed": 0, "stalled": 0}
+    sweeper = Sweeper(store, EmqOptions(max_stalled=0), CeleryFollowUp(app))
+    report = sweeper.sweep("celery", now_ms=8000)
+    assert (report.dead, report.completed) == ([], [job_id])
+    assert captured == {"stalled": [], "recovered": [], "dead": []}
+    assert counted(store, "celery") == {"completed": 1, "failed": 0, "stalled": 0}
+    assert store.counts("celery") == {"pending": 0, "active": 0, "delayed": 0, "dead": 0}
+
+
+@pytest.mark.usefixtures("no_worker_here")
+def test_an_older_success_of_a_reused_task_id_is_not_this_jobs(
+    app: Celery,
+    client: redis.Redis,
+    prefix: str,
+    captured: dict[str, list[JobInfo]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A caller may name its tasks (`task_id="report-2026-12-04"`) and name one again:
+    # the SUCCESS of the earlier task, an hour old, is not the success of this job,
+    # which really died. It is dead-lettered and its failure told.
+    store = JobStore(client, prefix + "emq", 5000)
+    sweeper = Sweeper(store, EmqOptions(max_stalled=0), CeleryFollowUp(app))
+    an_hour_ago = datetime.now(timezone.utc) - timedelta(hours=1)
+    with monkeypatch.context() as m:
+        m.setattr(app, "now", lambda: an_hour_ago)
+        app.backend.mark_as_done("report-1", "yesterday's")
+    failures = failures_stored(app, monkeypatch)
+    app.send_task("proj.tasks.poison", task_id="report-1")
+    [job] = store.claim("celery", "w1", now_ms=1000)
+    assert store.start("celery", job.id, job.token) is Outcome.OK
+    report = sweeper.sweep("celery", now_ms=7000)
+    assert (report.dead, report.completed) == ([job.id], [])
+    assert [j.task_id for j in captured["dead"]] == ["report-1"]
+    # Told to the backend (Celery's key-value backends keep a SUCCESS they hold).
+    assert [(task_id, type(exc)) for task_id, exc in failures] == [("report-1", StalledJobError)]
+    assert client.zrange(store.keys("celery").dead, 0, -1) == [job.id.encode()]
+    assert store.metrics("celery")["failed"] == 1
+
+
+def test_a_success_is_this_jobs_if_stored_after_its_publish_give_or_take_a_second(
+    app: Celery,
+) -> None:
+    # The result's date_done (the worker's clock) against the job's enqueued_ms (the
+    # Redis server's): a second allows for clocks that disagree a little.
+    follow_up = CeleryFollowUp(app)
+    info = JobInfo(id="j", queue="celery", task_id="t1")
+    app.backend.mark_as_done("t1", 1)
+    done_ms = int(app.AsyncResult("t1").date_done.timestamp() * 1000)
+    assert follow_up.succeeded(info, None) is True
+    assert follow_up.succeeded(info, done_ms + 1000) is True
+    assert follow_up.succeeded(info, done_ms + 1001) is False
+    assert follow_up.succeeded(info, done_ms - 60_000) is True
+    assert follow_up.succeeded(JobInfo(id="j", queue="celery", task_id="t2"), None) is False
+
+
 def test_an_rpc_result_is_not_read_back(monkeypatch: pytest.MonkeyPatch) -> None:
     # An RPC result is a message to the caller's reply queue: the sweep cannot
     # read it, and must not consume the sweeping process's own replies trying.
@@ -290,6 +429,15 @@ def test_an_rpc_result_is_not_read_back(monkeypatch: pytest.MonkeyPatch) -> None
     )
     assert CeleryFollowUp(rpc).succeeded(JobInfo(id="j", queue="celery", task_id="t")) is False
     assert read == []
+
+
+def test_no_failure_is_sent_to_an_rpc_reply_queue(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The sweep does not know the caller's reply queue: an RPC backend would take
+    # the current task's (a sweep task's caller), so nothing is stored there.
+    rpc = Celery("rpc", broker="memory://", backend="rpc://", set_as_current=False)
+    stored = failures_stored(rpc, monkeypatch)
+    CeleryFollowUp(rpc, node="w@h").failed(JobInfo(id="j", queue="celery", task_id="t"), str)
+    assert stored == []
 
 
 def test_a_pass_over_an_idle_queue_is_one_script_call_and_promotes_due_jobs(

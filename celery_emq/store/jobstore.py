@@ -11,6 +11,7 @@ the time instead, which is how tests move it. The reads are
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from celery_emq.errors import ReplicasUnconfirmedError
@@ -26,6 +27,7 @@ from celery_emq.store.outcomes import (
     Swept,
     SweptJobs,
     Unset,
+    Verdict,
 )
 from celery_emq.store.reads import ACTIVE_PAGE, LANE_PAGE, OLDEST_LANE_PAGE, Reads
 from celery_emq.store.registry import Registry
@@ -243,6 +245,7 @@ class JobStore(Reads, Registry):
         dead_max_age_ms: int = 0,
         dead_max_size: int = 0,
         registry: bool = False,
+        verdict: Verdict | None = None,
         since: str = "0",
     ) -> SweptJobs:
         """Examine up to ``limit`` lapsed claims: count a stall on each that started.
@@ -252,6 +255,11 @@ class JobStore(Reads, Registry):
         never started under the lapsed claim is requeued without a stall, but
         such lapses are counted: past ``max_lapsed`` of them (``None``: no
         bound) it is dead-lettered as ``never_started``.
+        A job past its budget is first asked of ``verdict`` (see
+        :data:`~celery_emq.store.outcomes.Verdict`; ``None``: no one can tell):
+        one whose task succeeded after all is deleted as completed (outcome
+        ``completed``), never dead-lettered nor counted failed or stalled.
+        A job settled meanwhile is left out.
         ``max_stalled`` is the budget of jobs that carry none of their own;
         ``None`` never dead-letters. Then up to ``limit`` dead jobs past the
         morgue's retention (``dead_max_age_ms``, ``dead_max_size``; 0 disables
@@ -264,7 +272,7 @@ class JobStore(Reads, Registry):
         :meth:`Scripts.sweep <celery_emq.store.scripts.Scripts.sweep>`); the
         reply's ``now_ms`` is the server's clock at the pass.
         """
-        return self.scripts.sweep(
+        swept = self.scripts.sweep(
             self.keys(queue),
             now_ms,
             limit,
@@ -277,6 +285,7 @@ class JobStore(Reads, Registry):
             expiring=self.expiring_key if registry and self.one_server else "",
             since=since,
         )
+        return self._retire_doomed(queue, swept, verdict, now_ms)
 
     def charge(
         self,
@@ -286,16 +295,63 @@ class JobStore(Reads, Registry):
         max_stalled: int | None,
         reason: str,
         now_ms: int | None = None,
+        verdict: Verdict | None = None,
     ) -> Swept | None:
         """Count one stall on a live claim whose worker process was lost.
 
-        Returns what the sweep did with it, or ``None`` when the claim is no
-        longer the job's live claim (fenced: nothing changes).
+        Returns what the sweep did with it (past its budget, as :meth:`sweep`
+        with ``verdict``), or ``None`` when the claim is no longer the job's
+        live claim (fenced, or settled meanwhile: nothing changes).
         """
         swept = self.scripts.sweep(
             self.keys(queue), now_ms, 1, max_stalled, reason, self.lease_ms, [(job_id, token)]
         )
+        swept = self._retire_doomed(queue, swept, verdict, now_ms)
         return swept[0] if swept else None
+
+    def retire(
+        self, queue: str, job_id: str, succeeded: bool, now_ms: int | None = None
+    ) -> Outcome:
+        """Settle a job a sweep doomed (see ``retire.lua``).
+
+        Returns ``OK`` (dead-lettered, counted failed, and stalled unless it
+        never started), ``COMPLETED`` (``succeeded``, or an older claim
+        completed it: deleted) or ``NOT_FOUND`` (settled meanwhile).
+        """
+        return self.scripts.retire(self.keys(queue), job_id, succeeded, now_ms)
+
+    def _retire_doomed(
+        self, queue: str, swept: SweptJobs, verdict: Verdict | None, now_ms: int | None
+    ) -> SweptJobs:
+        """Retire the jobs a sweep doomed, each as its ``verdict`` says.
+
+        The script counts nothing for them and leaves them where the next sweep
+        finds them again, so a caller that dies on the way leaves none in the
+        morgue or counted: its task may have succeeded.
+        """
+        doomed = [s for s in swept if s.outcome == "doomed"]
+        if not doomed:
+            return swept
+        k = self.keys(queue)
+        with self.client.pipeline(transaction=False) as pipe:
+            for s in doomed:
+                pipe.hmget(k.job(s.id), "reason", "enqueued_ms")
+            rows = dict(zip((s.id for s in doomed), pipe.execute(), strict=True))
+        out = SweptJobs()
+        out.now_ms = swept.now_ms
+        for s in swept:
+            if s.outcome != "doomed":
+                out.append(s)
+                continue
+            reason, published = rows[s.id]
+            dies = replace(s, outcome="never_started" if reason == b"never_started" else "dead")
+            succeeded = verdict is not None and verdict(dies, int(published) if published else None)
+            outcome = self.scripts.retire(k, s.id, succeeded, now_ms)
+            if outcome is Outcome.OK:
+                out.append(dies)
+            elif outcome is Outcome.COMPLETED:
+                out.append(replace(s, outcome="completed"))
+        return out
 
     def reap(self, queue: str, limit: int = 500, now_ms: int | None = None) -> list[str]:
         """Return up to ``limit`` lapsed jobs to the front of their queue, uncounted."""
@@ -308,7 +364,7 @@ class JobStore(Reads, Registry):
         now_ms: int | None = None,
         whole: bool = False,
     ) -> list[str]:
-        """Bring dead jobs back to the front of their queue or lane, stall count reset.
+        """Bring dead jobs back to the front of their queue or lane, stalls and lapses reset.
 
         Returns the ids retried. With ``whole``, if one id of a batch (500) is
         not dead, none of the batch is retried.

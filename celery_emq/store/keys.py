@@ -110,6 +110,7 @@ JOB_FIELDS: tuple[str, ...] = (
     "started",  # the delivery count of the latest claim whose task started (0.2.0 reads it)
     "completed",  # set when an older claim completed the job while a newer one holds it
     "graced",  # the lease deadline the outage rule granted (once per deadline)
+    "doomed",  # the claim id a sweep found past its budget, until retire.lua settles it
     "lapsed",  # lapses before its task started (a suspect: claimed alone; capped by max_lapsed)
     "owner",  # worker identity holding the lease while active
     "enqueued_ms",  # first publish time

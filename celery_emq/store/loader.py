@@ -28,6 +28,7 @@ SCRIPT_NAMES: tuple[str, ...] = (
     "sweep",
     "retry",
     "purge_dead",
+    "retire",
     "give_back",
     "promote",
     "tally",

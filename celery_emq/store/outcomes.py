@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "Scan",
     "Swept",
     "Unset",
+    "Verdict",
     "live_token",
     "new_nonce",
 ]
@@ -52,12 +54,20 @@ class Swept:
     """One job a sweep examined: what it did and the job's stall count."""
 
     id: str
-    #: "recovered" | "dead" | "requeued" (lapsed before it started: uncounted) |
-    #: "completed" (an older claim completed it: deleted) | "graced" (lapsed in an
-    #: outage: one more lease, uncounted)
+    #: "recovered" | "dead" | "never_started" (past its budget of lapses before a
+    #: start) | "requeued" (lapsed before it started: uncounted) | "completed" (an
+    #: older claim completed it, or its task succeeded: deleted) | "graced" (lapsed
+    #: in an outage: one more lease, uncounted); from the script alone, "doomed"
+    #: (past its budget: to be retired, see ``JobStore.sweep``)
     outcome: str
     stalled: int
     payload: bytes
+
+
+#: Asked of each job a sweep doomed, before it is retired: did its task succeed after
+#: all? Given the job as it would die (outcome "dead" or "never_started") and when it
+#: was published (ms, the Redis server's clock; ``None`` if its row does not say).
+Verdict = Callable[[Swept, "int | None"], bool]
 
 
 @dataclass(frozen=True)

@@ -358,6 +358,17 @@ class Scripts(Loaded):
             out.now_ms = out.pop().stalled
         return out
 
+    def retire(self, k: QueueKeys, job_id: str, succeeded: bool, now_ms: int | None) -> Outcome:
+        """Settle a job the sweep doomed: dead-lettered, or deleted when it ``succeeded``."""
+        return outcome_of(
+            self.run(
+                "retire",
+                [k.active, k.dead, k.job(job_id), k.base],
+                [job_id, int(succeeded), time_arg(now_ms)],
+            ),
+            "retire",
+        )
+
     def reap(self, k: QueueKeys, now_ms: int | None, limit: int) -> list[str]:
         """Return lapsed jobs to the front of ``pending``, uncounted; return their ids."""
         reply = self.run(

@@ -29,8 +29,12 @@ class FollowUp(Protocol):
     def accept(self) -> frozenset[str]:
         """The content types (MIME) a job's body may be decoded from, to describe it."""
 
-    def succeeded(self, info: JobInfo) -> bool:
-        """Whether ``info``'s task is known to have succeeded (its ack was lost)."""
+    def succeeded(self, info: JobInfo, since_ms: int | None) -> bool:
+        """Whether a run of ``info``'s job is known to have succeeded (its ack was lost).
+
+        ``since_ms``: when the job was published (the Redis server's clock), or
+        ``None``; a success from before it is another task's that had the same id.
+        """
 
     def stalled(self, info: JobInfo) -> None:
         """One stall was counted on ``info``'s job."""
@@ -55,7 +59,7 @@ class LogOnly:
     def accept(self) -> frozenset[str]:
         return DEFAULT_ACCEPT
 
-    def succeeded(self, info: JobInfo) -> bool:
+    def succeeded(self, info: JobInfo, since_ms: int | None) -> bool:
         return False
 
     def stalled(self, info: JobInfo) -> None:

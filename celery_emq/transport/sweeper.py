@@ -120,10 +120,12 @@ class Sweeper:
         The same script calls first promote delayed jobs that are due
         (consumers also promote them, when their wait ends at the earliest due
         time they know of), and apply the morgue's retention: an idle queue
-        costs one call a pass. ``contact`` is the sweeping process's record
-        of its passes (the process's sweep thread keeps one); without it the
-        pass cannot tell an outage from a dead fleet and takes any gap since
-        the last sweep as an outage (beat's task, ``celery emq sweep``).
+        costs one call a pass. A job past its budget is dead-lettered unless
+        the follow-up knows its task succeeded (then deleted as completed).
+        ``contact`` is the sweeping process's record of its passes (the
+        process's sweep thread keeps one); without it the pass cannot tell an
+        outage from a dead fleet and takes any gap since the last sweep as an
+        outage (beat's task, ``celery emq sweep``).
         """
         report = SweepReport(queue)
         prefix = self.store.prefix
@@ -139,6 +141,7 @@ class Sweeper:
                     dead_max_age_ms=self.options.dead_max_age_s * 1000,
                     dead_max_size=self.options.dead_max_size,
                     registry=True,
+                    verdict=partial(self._verdict, queue, "lease_expired"),
                     since="0" if contact is None else contact.since(prefix, queue),
                 )
             except Exception:
@@ -153,7 +156,10 @@ class Sweeper:
             elif self.store.one_server:
                 self.expiring = False
             self._after(queue, swept, report, "lease_expired")
-            if len(swept) < self.options.sweep_batch:
+            # Jobs past their budget reach the morgue after the script applied its
+            # retention (see JobStore.sweep): one more call applies it to them too.
+            died = any(job.outcome in ("dead", NEVER_STARTED) for job in swept)
+            if len(swept) < self.options.sweep_batch and not died:
                 break
         if report.graced:
             logger.warning(
@@ -193,7 +199,9 @@ class Sweeper:
         self, queue: str, job_id: str, token: str, reason: str, max_stalled: int | None
     ) -> Swept | None:
         """Count one stall on a live claim whose pool process died (fenced by ``token``)."""
-        swept = self.store.charge(queue, job_id, token, max_stalled, reason)
+        swept = self.store.charge(
+            queue, job_id, token, max_stalled, reason, verdict=partial(self._verdict, queue, reason)
+        )
         if swept is None:
             logger.warning(
                 "celery_emq: stall of job %s in %s (claim %s) not charged: that claim is "
@@ -286,10 +294,6 @@ class Sweeper:
                 self._tell_failed(info)
                 continue
             info = describe(job.payload, queue, job.id, job.stalled, reason, accept=self.accept)
-            if job.outcome == "dead" and self._succeeded(info):
-                self._forget_succeeded(info)
-                report.completed.append(job.id)
-                continue
             self._tell(self.follow_up.stalled, info)
             if job.outcome == "dead":
                 report.dead.append(job.id)
@@ -315,33 +319,36 @@ class Sweeper:
                 )
                 self._tell(self.follow_up.recovered, info)
 
-    def _succeeded(self, info: JobInfo) -> bool:
-        """Whether the follow-up knows ``info``'s task succeeded (its ack was lost).
+    def _verdict(self, queue: str, reason: str, job: Swept, published_ms: int | None) -> bool:
+        """Whether the follow-up knows that the task of a job past its budget succeeded.
 
         A finished task's ack can be lost with the server's last writes (a
-        restart from a snapshot, a failover to a replica that lacked it): the
-        job comes back as a started claim that lapses, and the sweep may retire
-        it. Its task did complete, so that is no failure.
+        restart from a snapshot, a failover to a replica that lacked it; a fast
+        task's start record with it): the job comes back as a claim that
+        lapses, and the sweep may retire it. Its task did complete, so that is
+        no failure: the store then deletes the job as completed, and nothing
+        is signalled. Only a success since the job was published
+        (``published_ms``) is its own: a task id may be given again.
         """
+        if job.outcome == NEVER_STARTED:
+            # Its body is never decoded here: it may be what kills a worker.
+            info = describe(job.payload, queue, job.id, job.stalled, NEVER_STARTED)
+        else:
+            info = describe(job.payload, queue, job.id, job.stalled, reason, accept=self.accept)
         try:
-            return self.follow_up.succeeded(info)
+            succeeded = self.follow_up.succeeded(info, published_ms)
         except Exception:
             logger.exception("celery_emq: could not learn whether %s succeeded", info.task_id)
             return False
-
-    def _forget_succeeded(self, info: JobInfo) -> None:
-        """Take a retired job whose task succeeded out of the morgue; send nothing."""
-        logger.warning(
-            "celery_emq: %s[%s] lapsed in %s after its task succeeded (an ack the server "
-            "lost?): deleted as completed, its SUCCESS result kept",
-            info.task_name,
-            info.task_id,
-            info.queue,
-        )
-        try:
-            self.store.purge_dead(info.queue, [info.id])
-        except Exception:
-            logger.exception("celery_emq: could not delete completed job %s", info.id)
+        if succeeded:
+            logger.warning(
+                "celery_emq: %s[%s] lapsed in %s after its task succeeded (an ack the server "
+                "lost?): deleted as completed, its SUCCESS result kept",
+                info.task_name,
+                info.task_id,
+                queue,
+            )
+        return succeeded
 
     def _tell(self, event: Callable[[JobInfo], None], info: JobInfo) -> None:
         """Hand ``info`` to one of the follow-up's methods; a failing one is logged."""

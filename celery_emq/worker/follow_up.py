@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable
+from datetime import datetime, timezone
 from typing import Any
 
 from celery import current_app, states
@@ -24,9 +25,15 @@ from celery_emq.transport.follow_up import set_follow_up
 from celery_emq.transport.jobs import NEVER_STARTED, JobInfo, accepted_content
 from celery_emq.transport.process import host
 
-__all__ = ["CeleryFollowUp", "register"]
+__all__ = ["CLOCK_SKEW_MS", "CeleryFollowUp", "register"]
 
 logger = logging.getLogger(__name__)
+
+#: How much earlier than a job's publish a SUCCESS may say it completed and still be
+#: taken for this job's: the worker's clock and the Redis server's may disagree a
+#: little (hosts kept by NTP, by a few ms). An earlier SUCCESS is an earlier task that
+#: was given the same task id.
+CLOCK_SKEW_MS = 1000
 
 
 class CeleryFollowUp:
@@ -61,13 +68,19 @@ class CeleryFollowUp:
     def dead_lettered(self, info: JobInfo) -> None:
         _send(job_dead_lettered, info)
 
-    def succeeded(self, info: JobInfo) -> bool:
-        """Whether the result backend already holds a SUCCESS for ``info``'s task.
+    def succeeded(self, info: JobInfo, since_ms: int | None = None) -> bool:
+        """Whether the result backend holds a SUCCESS of ``info``'s job.
 
         A finished task's ack can be lost with the server's last writes (a
         restart from a snapshot, a failover to a replica that lacked it): the
         job comes back as a started claim that lapses, and the sweep may retire
         it. Its task did complete, so that is no failure.
+
+        A caller may give a task id of its own and give it again: a SUCCESS
+        completed (``date_done``, the worker's clock) more than
+        :data:`CLOCK_SKEW_MS` before ``since_ms`` (the job's publish, the Redis
+        server's clock) is an earlier task's, not this job's. A result that
+        says no completion time is taken at its word.
         """
         if not info.task_id:
             return False
@@ -76,7 +89,12 @@ class CeleryFollowUp:
             if _is_disabled(backend) or _is_rpc(backend):
                 # An RPC result travels to its caller's reply queue: none to read here.
                 return False
-            return bool(backend.get_task_meta(info.task_id).get("status") == states.SUCCESS)
+            # Not the process's cache of ready results: it may hold an earlier task's.
+            meta = backend.get_task_meta(info.task_id, cache=False)
+            if meta.get("status") != states.SUCCESS:
+                return False
+            done_ms = _epoch_ms(meta.get("date_done"))
+            return since_ms is None or done_ms is None or done_ms >= since_ms - CLOCK_SKEW_MS
         except Exception:
             logger.exception("celery_emq: could not read the result of %s", info.task_id)
             return False
@@ -89,7 +107,10 @@ class CeleryFollowUp:
         exc = stalled_error(info)
         try:
             backend = app.backend
-            if not _is_disabled(backend) and not info.headers.get("ignore_result"):
+            # An RPC backend sends a result to the reply queue of the task it runs
+            # under (here none, or a sweep task's): never to this task's caller.
+            stored = not _is_disabled(backend) and not _is_rpc(backend)
+            if stored and not info.headers.get("ignore_result"):
                 backend.mark_as_failure(info.task_id, exc, call_errbacks=False)
         except Exception:
             logger.exception("celery_emq: could not store the failure of %s", info.task_id)
@@ -119,6 +140,17 @@ class CeleryFollowUp:
         node: Flower would list it as a worker.
         """
         return self.node or host().nodename() or last_holder()
+
+
+def _epoch_ms(date_done: Any) -> int | None:
+    """A result's ``date_done`` (a datetime, or its ISO text) in ms since the epoch."""
+    try:
+        when = date_done if isinstance(date_done, datetime) else datetime.fromisoformat(date_done)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:  # a naive time is UTC (the database backend's)
+        when = when.replace(tzinfo=timezone.utc)
+    return int(when.timestamp() * 1000)
 
 
 def stalled_error(info: JobInfo) -> StalledJobError:

@@ -85,6 +85,7 @@ CALLS: dict[str, tuple[Call, int]] = {
     ),
     "retry": (lambda s, k: s.retry(k, 1, ["a", "b"]), 2),
     "purge_dead": (lambda s, k: s.purge_dead(k, ["a", "b"]), 2),
+    "retire": (lambda s, k: s.retire(k, "id", True, 1), 0),
     "give_back": (lambda s, k: s.give_back(k), 0),
     "promote": (lambda s, k: s.promote(k, 1, 10, ["t1", "t2"]), 2),
     "tally": (lambda s, k: s.tally(k, 0, 10, True), 0),
@@ -101,6 +102,7 @@ SERVER_TIME: dict[str, Call] = {
     "reap": lambda s, k: s.reap(k, None, 10),
     "sweep": lambda s, k: s.sweep(k, None, 10, 1, "lease_expired", 5000),
     "retry": lambda s, k: s.retry(k, None, ["a"]),
+    "retire": lambda s, k: s.retire(k, "id", False, None),
     "promote": lambda s, k: s.promote(k, None, 10),
 }
 

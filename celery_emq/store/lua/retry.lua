@@ -1,5 +1,6 @@
 --[[ retry: bring dead jobs back from the morgue to the front of their queue or lane.
-  The stall count is reset; the history of stalls is kept.
+  The job starts a fresh budget: its stall count and its lapses before a start
+  (`lapsed`) are reset; the history of stalls is kept.
   KEYS[1] dead      <p>:{q}:dead (ZSET)
   KEYS[2] pending   <p>:{q}:pending (ZSET, the default lane)
   KEYS[3] wake      <p>:{q}:wake (LIST)
@@ -56,7 +57,7 @@ for i = FIRST, #ARGV do
     end
     redis.call('ZADD', lane, tonumber(row[2] or '0') * BAND - n, id)
     redis.call('HSET', job, 'state', 'pending', 'stalled', 0, 'owner', '', 'retried_ms', now_ms)
-    redis.call('HDEL', job, 'died_ms')
+    redis.call('HDEL', job, 'died_ms', 'lapsed')
     redis.call('LPUSH', wake, 1)
     redis.call('HINCRBY', base .. 'metrics:retried', 'count', 1)
     redis.call('PEXPIRE', base .. 'metrics:retried', COUNTER_TTL_MS)

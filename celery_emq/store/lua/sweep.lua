@@ -1,4 +1,4 @@
---[[ sweep: count a stall on each lapsed (or charged) claim that started; recover or dead-letter.
+--[[ sweep: count a stall on each lapsed (or charged) claim that started; recover, or doom.
   KEYS[1] active    <p>:{q}:active (ZSET, score = lease deadline ms)
   KEYS[2] pending   <p>:{q}:pending (ZSET)
   KEYS[3] wake      <p>:{q}:wake (LIST)
@@ -25,10 +25,18 @@
             running them) instead of examining the lapsed ones; a pair that names
             no live claim changes nothing and is counted in metrics:fenced
             (reason:charge)
-  Returns a flat array: id, outcome (promoted | recovered | dead | requeued |
-  never_started | completed | graced | trimmed), stalled, message (as stored; false unless recovered,
-  dead or never_started), ... A job an older claim completed (its ack was fenced,
+  Returns a flat array: id, outcome (promoted | recovered | doomed | requeued |
+  completed | graced | trimmed), stalled, message (as stored; false unless recovered
+  or doomed), ... A job an older claim completed (its ack was fenced,
   `completed` is set) is deleted and counted completed instead (outcome completed).
+  Doomed: a job past its budget (of stalls, or of lapses before a start) is not moved
+  nor counted here: its task may have succeeded after all (an ack the server lost),
+  which only the caller can ask the result backend. It stays in `active`, lapsed,
+  its row marked `doomed` (its claim id) with the stall or lapse counted in the row
+  and the reason and error it would die with; the caller then retires it (retire.lua:
+  to the morgue, counted failed and stalled there, or deleted as completed). A pass
+  that meets a job already doomed under its live claim (its caller died before the
+  retire) returns it again, counting nothing twice (outcome doomed).
   Delayed jobs: a pass that examines lapsed claims (not a charge) first promotes up to
   `limit` due delayed jobs to the tail of their queue or lane, as promote.lua does
   (outcome promoted, stalled 0): the sweep is a queue's one periodic script, the net
@@ -59,17 +67,17 @@
   count, as start.lua writes it, nor its claim id, as earlier builds wrote it) is
   requeued without a stall (outcome requeued), but counted in the row's `lapsed`:
   past max_lapsed such lapses (a message that kills its worker before its task
-  starts) the job is dead-lettered, reason never_started (outcome never_started).
+  starts) the job is doomed, reason never_started (outcome doomed).
   A charged claim has started.
   Blame: a claim handed out as a suspect is noted in `<base>suspects` (owner -> id and
   claim id, claim.lua). When a lapsed claim's owner held a suspect of this queue whose
   task never started under that claim, the owner died of it (or may have): the
   suspect's lapse is counted, and the owner's other lapsed claims of this queue,
   started or not, are requeued uncounted (outcome requeued, no stall, no lapse).
-  Counters: metrics:stalled, :recovered and :failed count each event in field `count`
-  and by its reason in field `reason:<reason>`.
+  Counters: metrics:stalled and :recovered count each recovery in field `count` and
+  by its reason in field `reason:<reason>` (a doomed job's, retire.lua counts).
   Budget: stalled <= max_stalled recovers (to the front of its queue or lane),
-  stalled > max_stalled dead-letters. A batch keeps its order at the front.
+  stalled > max_stalled dooms. A batch keeps its order at the front.
 ]]
 local active, pending, wake, head, dead = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local lanes, base, registry = KEYS[6], KEYS[7], KEYS[8]
@@ -193,7 +201,7 @@ for i, id in ipairs(ids) do
     'history', 'group', 'deliveries', 'started', 'completed', 'graced', 'claim')
   -- The live claim: its id, or its delivery count if a version that keeps no claim id made it.
   local token = (row[12] and string.match(row[12], '^%d+') == row[8]) and row[12] or row[8]
-  -- The message is read only for what the caller reports (recovered, dead); rows
+  -- The message is read only for what the caller reports (recovered, doomed); rows
   -- written before messages had a key of their own hold it as `payload`.
   local function message()
     return redis.call('GET', base .. 'msg:' .. id) or row[5] or ''
@@ -234,6 +242,11 @@ for i, id in ipairs(ids) do
       redis.call('HINCRBY', base .. 'metrics:completed', 'count', 1)
       redis.call('PEXPIRE', base .. 'metrics:completed', COUNTER_TTL_MS)
       outcome = 'completed'
+    elseif redis.call('HGET', job, 'doomed') == token then
+      -- Doomed by an earlier pass whose caller died before it retired the job.
+      stalled = tonumber(redis.call('HGET', job, 'stalled') or '0')
+      redis.call('ZADD', active, deadline, id)
+      outcome = 'doomed'
     elseif blamed and blamed ~= id then
       -- Its owner died holding a suspect that never started: the suspect is blamed,
       -- this claim forgiven (started or not), back at the front uncounted.
@@ -252,14 +265,11 @@ for i, id in ipairs(ids) do
       stalled = tonumber(redis.call('HGET', job, 'stalled') or '0')
       local lapsed = redis.call('HINCRBY', job, 'lapsed', 1)
       if max_lapsed >= 0 and lapsed > max_lapsed then
-        redis.call('HSET', job, 'state', 'dead', 'owner', '', 'last_error', 'never_started',
-          'reason', 'never_started', 'died_ms', now_ms, 'error', 'never_started: lapsed '
+        redis.call('HSET', job, 'doomed', token, 'last_error', 'never_started',
+          'reason', 'never_started', 'error', 'never_started: lapsed '
           .. lapsed .. ' times before its task started, max_lapsed=' .. max_lapsed)
-        redis.call('ZADD', dead, now_ms, id)
-        redis.call('HINCRBY', base .. 'metrics:failed', 'count', 1)
-        redis.call('HINCRBY', base .. 'metrics:failed', 'reason:never_started', 1)
-        redis.call('PEXPIRE', base .. 'metrics:failed', COUNTER_TTL_MS)
-        outcome = 'never_started'
+        redis.call('ZADD', active, deadline, id)
+        outcome = 'doomed'
       else
         if lane ~= pending then
           redis.call('ZADD', lanes, 0, row[7])
@@ -283,19 +293,16 @@ for i, id in ipairs(ids) do
       while #history > HISTORY do
         table.remove(history, 1)
       end
-      redis.call('HINCRBY', base .. 'metrics:stalled', 'count', 1)
-      redis.call('PEXPIRE', base .. 'metrics:stalled', COUNTER_TTL_MS)
-      redis.call('HINCRBY', base .. 'metrics:stalled', 'reason:' .. reason, 1)
       if budget >= 0 and stalled > budget then
-        redis.call('HSET', job, 'state', 'dead', 'owner', '', 'last_error', 'stalled',
-          'reason', reason, 'died_ms', now_ms, 'history', cjson.encode(history),
+        redis.call('HSET', job, 'doomed', token, 'last_error', 'stalled',
+          'reason', reason, 'history', cjson.encode(history),
           'error', reason .. ': stalled ' .. stalled .. ' times, max_stalled=' .. budget)
-        redis.call('ZADD', dead, now_ms, id)
-        redis.call('HINCRBY', base .. 'metrics:failed', 'count', 1)
-        redis.call('PEXPIRE', base .. 'metrics:failed', COUNTER_TTL_MS)
-        redis.call('HINCRBY', base .. 'metrics:failed', 'reason:' .. reason, 1)
-        outcome = 'dead'
+        redis.call('ZADD', active, deadline, id)
+        outcome = 'doomed'
       else
+        redis.call('HINCRBY', base .. 'metrics:stalled', 'count', 1)
+        redis.call('PEXPIRE', base .. 'metrics:stalled', COUNTER_TTL_MS)
+        redis.call('HINCRBY', base .. 'metrics:stalled', 'reason:' .. reason, 1)
         if lane ~= pending then
           redis.call('ZADD', lanes, 0, row[7])
         end
@@ -312,7 +319,7 @@ for i, id in ipairs(ids) do
     out[#out + 1] = id
     out[#out + 1] = outcome
     out[#out + 1] = stalled
-    if outcome == 'recovered' or outcome == 'dead' or outcome == 'never_started' then
+    if outcome == 'recovered' or outcome == 'doomed' then
       out[#out + 1] = message()
     else
       out[#out + 1] = false
