@@ -36,9 +36,10 @@ key                             type    content                           ends
                                         whose wait ends when the          leaving nothing delayed
                                         earliest known job is due, scan   deletes it
                                         again
-``<p>:{q}:hold``                LIST    never written: a consumer that    never exists
-                                        holds a suspect waits on it (a
-                                        BRPOP that only times out)
+``<p>:{q}:suspects``            HASH    each owner's last suspect         PX 1 day, renewed by each
+                                        handed out (``<id> <claim id>``): suspect claimed; a stale
+                                        the sweep blames it alone when    entry is dropped by the
+                                        its owner dies before it starts   sweep that reads it
 ``<p>:{q}:seq``                 STRING  tail sequence (INCR) for FIFO     deleted when nothing is
                                         order                             pending (claim, sweep)
 ``<p>:{q}:head``                STRING  head sequence (INCR) for          deleted when nothing is
@@ -169,8 +170,8 @@ class QueueKeys:
         return self.base + "wake"
 
     @property
-    def hold(self) -> str:
-        return self.base + "hold"
+    def suspects(self) -> str:
+        return self.base + "suspects"
 
     @property
     def seq(self) -> str:
