@@ -13,7 +13,6 @@ from typing import Any
 
 from kombu.transport import TRANSPORT_ALIASES
 
-from celery_emq._moved import install as _install_moved
 from celery_emq.errors import (
     BatchFlushError,
     BrokerFullError,
@@ -88,7 +87,6 @@ from celery_emq.transport.process import on_transport_start as _on_transport_sta
 from celery_emq.worker.follow_up import register as _register_follow_up  # noqa: E402
 from celery_emq.worker.state import attach as _attach_worker  # noqa: E402
 
-_install_moved()
 _attach_worker()
 _register_follow_up()
 _on_transport_start(_register_with_flower)

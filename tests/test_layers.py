@@ -1,40 +1,42 @@
-"""The layers: old module paths still import, warn and give the new module; the docs list them."""
+"""The layers: paths stored outside the code keep their homes; imports point only down."""
 
 from __future__ import annotations
 
 import ast
 import importlib
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from celery_emq._moved import MOVED
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize(("old", "new"), sorted(MOVED.items()))
-def test_an_old_path_warns_and_gives_the_module_at_its_new_path(old: str, new: str) -> None:
+#: Flat module paths of a layout that lived a few days and was never released.
+UNRELEASED = ("celery_emq.status", "celery_emq.sweeper", "celery_emq.jobs", "celery_emq.flower")
+
+
+@pytest.mark.parametrize("old", UNRELEASED)
+def test_no_path_of_the_unreleased_flat_layout_imports(old: str) -> None:
     sys.modules.pop(old, None)
-    with pytest.warns(DeprecationWarning, match=re.escape(new)):
-        module = importlib.import_module(old)
-    assert module is importlib.import_module(new)
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(old)
 
 
-def test_the_paths_the_docs_and_examples_name_still_work() -> None:
-    import warnings
+def test_importing_the_package_installs_no_import_hook() -> None:
+    import celery_emq
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from celery_emq.flower import register
-        from celery_emq.jobs import JobInfo
-        from celery_emq.status import queue_status
-        from celery_emq.sweeper import Sweeper
+    assert not [f for f in sys.meta_path if type(f).__module__.startswith(celery_emq.__name__)]
+
+
+def test_the_paths_the_docs_and_examples_name_import() -> None:
+    from celery_emq.ops.flower import register
     from celery_emq.store import JobStore
+    from celery_emq.store.status import queue_status
     from celery_emq.tasks import open_store
+    from celery_emq.transport.jobs import JobInfo
+    from celery_emq.transport.sweeper import Sweeper
 
     assert all(
         callable(x) for x in (register, JobInfo, queue_status, Sweeper, JobStore, open_store)
@@ -54,12 +56,6 @@ def test_paths_stored_outside_the_code_keep_their_homes() -> None:
     assert signals.job_dead_lettered.name == "job_dead_lettered"
     assert symbol_by_name("celery_emq.transport:Transport") is Transport
     assert celery_emq.StalledJobError is errors.StalledJobError
-
-
-def test_the_architecture_page_lists_every_moved_path() -> None:
-    text = (ROOT / "docs" / "architecture.md").read_text()
-    listed = dict(re.findall(r"^\| `(celery_emq[\w.]*)` \| `(celery_emq[\w.]*)` \|$", text, re.M))
-    assert listed == MOVED
 
 
 def test_lint_imports_keeps_the_layers() -> None:
