@@ -803,6 +803,11 @@ def report(result: dict[str, Any]) -> str:
             f"{result['worker_starts']}, exits not caused: {result['unexpected_worker_exits']}",
         ),
         ("runs", f"{v['runs']} ({v['runs_interrupted']} interrupted)"),
+        (
+            "recovery after a worker kill",
+            f"median {v['recovery_s']['median']} s, max {v['recovery_s']['max']} s "
+            f"(over {v['recovery_s']['kills']} kills that interrupted a task)",
+        ),
         ("completed", str(v["completed"])),
         ("LOST", str(v["lost"])),
         (

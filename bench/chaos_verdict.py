@@ -290,5 +290,36 @@ def judge(
         "most_runs_per_task": max((len(rs) for rs in by_task.values()), default=0),
         "most_completed_runs_per_task": max(completed_per_task.values(), default=0),
         "runs_of_unpublished_tasks": sum(1 for t in by_task if t not in published),
+        "recovery_s": recovery(by_task, kills),
         "rerun_details": reruns,
+    }
+
+
+def recovery(by_task: Mapping[str, list[Run]], kills: Sequence[Kill]) -> dict[str, Any]:
+    """How long after each whole-worker kill its interrupted tasks were running again.
+
+    For each kill of a worker, the runs the ledger shows open in it at the kill;
+    the kill's recovery time is from the signal to the start of the last of
+    those tasks' next runs (a kill that interrupted nothing has none).
+    """
+    times = []
+    for k in kills:
+        if k.kind != "worker":
+            continue
+        last = None
+        for task_runs in by_task.values():
+            for i, r in enumerate(task_runs):
+                cut = r.worker == k.worker and r.start <= k.t_before
+                if not cut or (r.end is not None and r.end <= k.t_before):
+                    continue
+                nxt = next((n for n in task_runs[i + 1 :] if n.start > k.t_after), None)
+                if nxt is not None:
+                    last = max(last or 0.0, nxt.start - k.t_before)
+        if last is not None:
+            times.append(last)
+    times.sort()
+    return {
+        "kills": len(times),
+        "median": round(times[len(times) // 2], 2) if times else None,
+        "max": round(times[-1], 2) if times else None,
     }

@@ -182,3 +182,18 @@ def test_a_publish_seen_to_return_after_the_crash_was_acknowledged_before_it() -
     v = judge(published, runs, [], [], [LostWrites(1.0, 2.0, 2.5)], published_at=at)
     assert v["lost_tasks"] == []
     assert v["taken_and_never_run"] == ["at-the-crash"]
+
+
+def test_a_worker_kills_recovery_is_until_its_last_interrupted_task_runs_again() -> None:
+    runs = [
+        run("a", 10.0, None, worker="w1"),  # cut by the kill at 12: again at 15.5
+        run("a", 15.5, 16.0, worker="w2"),
+        run("b", 11.0, None, worker="w1"),  # cut too: again at 14
+        run("b", 14.0, 14.5, worker="w2"),
+        run("c", 11.0, 11.5, worker="w1"),  # finished before the kill
+        run("d", 11.0, None, worker="w3"),  # another worker's
+        run("d", 20.0, 21.0, worker="w3"),
+    ]
+    kills = [Kill(12.0, 12.1, "worker", "w1", 1), Kill(13.0, 13.1, "child", "w3", 7)]
+    verdict = judge({t: 1 for t in "abcd"}, runs, kills, [])
+    assert verdict["recovery_s"] == {"kills": 1, "median": 3.5, "max": 3.5}
