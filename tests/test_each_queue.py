@@ -10,6 +10,9 @@ every queue sits on the same node, the suite's Redis.
 from __future__ import annotations
 
 import logging
+import random
+import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -217,5 +220,54 @@ def test_a_scan_leaves_out_a_migrating_queue_alone_and_a_dead_cluster_still_reco
         channel.store = _Store(down)  # type: ignore[assignment]
         with pytest.raises(redis.ConnectionError):
             channel._scan([MIGRATING, "ok"])
+    finally:
+        channel._scan_lanes.close(1.0)
+
+
+class _Node:
+    def __init__(self, port: int, hang_s: float) -> None:
+        self.host, self.port, self.hang_s = "127.0.0.1", port, hang_s
+
+    def ping(self) -> bool:
+        if self.hang_s:
+            time.sleep(self.hang_s)
+            raise redis.TimeoutError("Timeout reading from socket")
+        return True
+
+
+class _Cluster:
+    def __init__(self, nodes: list[_Node]) -> None:
+        self.nodes = nodes
+
+    def get_nodes(self) -> list[_Node]:
+        return self.nodes
+
+    def get_redis_connection(self, node: _Node) -> _Node:
+        return node
+
+
+def test_finding_a_live_node_waits_one_socket_timeout_at_most(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The nodes that hang come first: asked one after another, each cost a timeout.
+    monkeypatch.setattr(random, "shuffle", lambda nodes: None)
+    hang_s = 0.6
+    channel = _channel(_Store())
+    channel.store = SimpleNamespace(
+        client=_Cluster([_Node(1, hang_s), _Node(2, hang_s), _Node(3, hang_s), _Node(4, 0)])
+    )
+    channel._node = None
+    monkeypatch.setattr(_Channel, "store_timeout_s", hang_s, raising=False)
+    try:
+        began = time.monotonic()
+        assert channel._live_node() == ("127.0.0.1", 4)
+        assert time.monotonic() - began < hang_s / 2
+        # No node answers: a connection error (Celery reconnects), within one timeout.
+        channel._node = None
+        channel.store = SimpleNamespace(client=_Cluster([_Node(1, hang_s), _Node(2, hang_s)]))
+        began = time.monotonic()
+        with pytest.raises(redis.ConnectionError, match="no node of the cluster answers"):
+            channel._live_node()
+        assert time.monotonic() - began < 2 * hang_s
     finally:
         channel._scan_lanes.close(1.0)

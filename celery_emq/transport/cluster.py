@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 import random
 import threading
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import TimeoutError as FuturesTimeout
 from functools import partial
 from typing import Any
 
@@ -148,21 +150,32 @@ class ClusterChannel(WakingChannel):
             return super()._put_fanout(exchange, message, routing_key, **kwargs)
 
     def _live_node(self) -> tuple[str, int]:
-        """A node of the cluster that answers now, picked at random (spreads pub/sub)."""
+        """A node of the cluster that answers now: the first to answer a ping.
+
+        Every node is pinged at once, each from a thread of its own, so nodes
+        that hang cost the caller (kombu's event loop, when it connects) one
+        socket timeout at most, not one each in turn. The nodes are asked in a
+        random order, which spreads the workers' pub/sub over them.
+        """
         if self._node is not None:
             return self._node
         cluster = self.store.client
         nodes = list(cluster.get_nodes())
         random.shuffle(nodes)
-        last: Exception | None = None
-        for node in nodes:
-            try:
-                cluster.get_redis_connection(node).ping()
-            except redis.RedisError as exc:
-                last = exc
-                continue
-            self._node = (node.host, int(node.port))
-            return self._node
+        last: BaseException | None = None
+        pool = ThreadPoolExecutor(max(1, len(nodes)), thread_name_prefix="celery_emq-ping")
+        try:
+            pings = {pool.submit(cluster.get_redis_connection(n).ping): n for n in nodes}
+            for ping in as_completed(pings, timeout=self.store_timeout_s + 1):
+                if (last := ping.exception()) is None:
+                    node = pings[ping]
+                    self._node = (node.host, int(node.port))
+                    return self._node
+        except FuturesTimeout as exc:
+            last = last or exc
+        finally:
+            # A ping to a node that hangs ends on its socket timeout, unwaited.
+            pool.shutdown(wait=False)
         raise redis.ConnectionError(f"no node of the cluster answers: {last!r}")
 
     # -- kombu's binding tables: keys, on the cluster client ----------------
