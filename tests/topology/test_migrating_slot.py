@@ -26,8 +26,10 @@ from pathlib import Path
 
 import pytest
 import redis
+from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 
+from celery_emq.store.jobstore import JobStore
 from tests.conftest import CLUSTER, delete_prefix
 from tests.e2e.app import client_app
 from tests.e2e.harness import Worker, wait_for
@@ -283,3 +285,79 @@ def test_a_migrating_slot_holds_up_only_its_own_queue(
     assert figures["longest_renewal_gap_same_master_s"] < 2 * RENEW_S + 0.5, figures
     assert figures["closest_to_lapsing_s"] > 0, figures
     assert figures["consumer_restarts"] == 0, (figures, log[-3000:])
+
+
+def test_no_script_writes_half_while_its_slot_migrates(cluster: Cluster) -> None:
+    """A script whose keys are split between two masters is refused before it runs.
+
+    Redis answers ``ASK``/``TRYAGAIN`` (and ``MOVED``, ``CLUSTERDOWN``) from
+    the keys a script declares, before any of it runs: nothing is written on
+    either side, and the call fails as the queue's own error.
+    """
+    prefix = f"t{uuid.uuid4().hex[:10]}:"
+    client = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", p) for p in cluster.ports])
+    store = JobStore(client, prefix + "emq", 3000)
+    try:
+        masters = _slot_master(cluster)
+        queue = "q0"
+        slot = _slot(prefix, queue)
+        source = masters[slot]
+        target = next(n for n in cluster.nodes if n is not source)
+        for i in range(3):
+            store.enqueue(queue, str(i), b"{}")
+        [claimed] = store.claim(queue, "me", 1)
+        source_id = source.client().execute_command("CLUSTER MYID")
+        target_id = target.client().execute_command("CLUSTER MYID")
+        target.client().execute_command("CLUSTER SETSLOT", slot, "IMPORTING", source_id)
+        source.client().execute_command("CLUSTER SETSLOT", slot, "MIGRATING", target_id)
+        try:
+            # Some keys on each side: the pending set moves, the rows stay.
+            pending = store.keys(queue).pending
+            source.client().execute_command(
+                "MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", pending
+            )
+
+            def dump() -> dict[str, dict[bytes, bytes | None]]:
+                out = {}
+                for node in (source, target):
+                    c = node.client(single_connection_client=True)
+                    keys = c.execute_command("CLUSTER GETKEYSINSLOT", slot, 1000)
+                    # The target serves its importing slot only after ASKING.
+                    out[str(node.port)] = {
+                        k: c.execute_command("ASKING") and c.dump(k) for k in keys
+                    }
+                    c.close()
+                return out
+
+            before = dump()
+            assert before[str(source.port)] and before[str(target.port)]
+            calls = {
+                "enqueue": lambda: store.enqueue(queue, "9", b"{}"),
+                "claim": lambda: store.claim(queue, "me", 1),
+                "extend": lambda: store.extend(queue, [(claimed.id, claimed.token)]),
+                "ack": lambda: store.ack(queue, claimed.id, claimed.token),
+                "sweep": lambda: store.sweep(queue, 1),
+            }
+            refused = {}
+            for name, call in calls.items():
+                with pytest.raises(redis.RedisError) as info:
+                    call()
+                refused[name] = type(info.value).__name__
+            print(f"\n{refused}")
+            assert set(refused.values()) <= {"ClusterError", "TryAgainError", "AskError"}
+            assert dump() == before
+        finally:
+            # What moved to the target is dropped; the slot goes back to the source.
+            c = target.client(single_connection_client=True)
+            for key in c.execute_command("CLUSTER GETKEYSINSLOT", slot, 1000):
+                c.execute_command("ASKING")
+                c.delete(key)
+            c.close()
+            for node in (source, target):
+                node.client().execute_command("CLUSTER SETSLOT", slot, "NODE", source_id)
+    finally:
+        for node in cluster.nodes:
+            c = node.client()
+            for key in c.scan_iter(match=prefix + "*"):
+                c.delete(key)
+        client.close()
