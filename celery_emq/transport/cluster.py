@@ -258,11 +258,10 @@ class ClusterChannel(WakingChannel):
         return Scan(found, min(due) if due else None)
 
     def _claim_and_deliver(self, queue: str, held: int) -> bool:
+        # A claim follows a wake marker its master just popped, or a scan it
+        # just answered: only a master that stops answering in between costs
+        # the event loop a call's worst case.
         node = self.store.node_of(queue)
-        if node in self._unanswered or queue in self._failing:
-            # Not waited on from the event loop: the next scan that hears
-            # from it (at most a scan interval away) lets it be claimed again.
-            return False
         outcome = each_queue([queue], partial(super()._claim_and_deliver, held=held))[queue]
         if outcome.error is None:
             return bool(outcome.value)
