@@ -244,3 +244,33 @@ def test_a_hung_server_delays_no_other_servers_settles(
         for batcher in sending:
             batcher._lanes.close(10.0)
         stalled.close()
+
+
+class SlowStore(JobStore):
+    """A store whose first renewal takes ``slow_s`` (a busy machine), then answers at once."""
+
+    slow_s = 1.3
+
+    def extend(self, *args: Any, **kwargs: Any) -> Any:
+        if self.slow_s:
+            time.sleep(self.slow_s)
+            self.slow_s = 0.0
+        return super().extend(*args, **kwargs)
+
+
+def test_a_renewal_a_little_late_is_no_warning(
+    client: redis.Redis, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A pass that ends after its interval, though the lease (three intervals)
+    # was never at risk: said at debug level only, and nothing when it is over.
+    store = SlowStore(client, prefix + "emq", LEASE_MS)
+    keeper = ManualKeeper("me")
+    keeper.hold(store, "celery", [_claim(store, "celery", "a", 1000)], INTERVAL_MS)
+    caplog.set_level(logging.DEBUG, "celery_emq")
+    keeper.renew_once(now_ms=2000)
+    time.sleep(0.4)
+    keeper.renew_once(now_ms=3000)
+    assert store.client.zscore(store.keys("celery").active, "a") == 3000 + LEASE_MS
+    late = [r for r in caplog.records if "late" in r.getMessage()]
+    assert [r.levelno for r in late] == [logging.DEBUG], [r.getMessage() for r in late]
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
