@@ -17,13 +17,19 @@ from typing import Any
 
 import pytest
 import redis
+from celery import Celery
 from redis.exceptions import AskError, ClusterError, TryAgainError
 
+from celery_emq.options import EmqOptions
 from celery_emq.store.jobstore import JobStore
 from celery_emq.store.nodes import Lanes, Troubles, each_queue
 from celery_emq.store.outcomes import Scan
+from celery_emq.transport import lease
 from celery_emq.transport.cluster import ClusterChannel
 from celery_emq.transport.consuming import Consuming
+from celery_emq.transport.sweep_thread import SweepThread
+from celery_emq.transport.sweeper import Sweeper
+from celery_emq.worker.follow_up import CeleryFollowUp
 from tests.conftest import ManualKeeper
 
 LEASE_MS = 3000
@@ -269,3 +275,42 @@ def test_finding_a_live_node_waits_one_socket_timeout_at_most(
         assert time.monotonic() - began < 2 * hang_s
     finally:
         channel._scan_lanes.close(1.0)
+
+
+class MigratingSweeps(MigratingStore):
+    """As :class:`MigratingStore`, its sweeps of ``mig`` failing too."""
+
+    def sweep(self, queue: str, *args: Any, **kwargs: Any) -> Any:
+        if queue == MIGRATING:
+            raise ClusterError("TTL exhausted.")
+        return super().sweep(queue, *args, **kwargs)
+
+
+def test_the_sweep_leaves_out_only_the_migrating_queue(
+    app: Celery, client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = MigratingSweeps(client, prefix + "emq", LEASE_MS)
+    keeper = ManualKeeper("me")
+    monkeypatch.setattr(lease, "_keeper", keeper)
+    for q in (MIGRATING, "ok"):
+        store.enqueue(q, "mine", b"{}", now_ms=1000)
+        [job] = store.claim(q, "me", now_ms=1000)
+        keeper.hold(store, q, [(job.id, job.token)], INTERVAL_MS)
+        # Another worker's claim, lapsed: the sweep requeues it.
+        store.enqueue(q, "lapsed", b"{}", now_ms=1000)
+        store.claim(q, "gone", now_ms=1000)
+    with pytest.raises(ClusterError):
+        keeper.renew_once(now_ms=1000 + LEASE_MS)
+    time.sleep(2.1 * INTERVAL_MS / 1000)  # past two intervals: the migrating queue is overdue
+    with pytest.raises(ClusterError):
+        keeper.renew_once(now_ms=1500 + LEASE_MS)
+    options = EmqOptions(sweep_interval_s=1.0, max_stalled=5)
+    sweeps = SweepThread()
+    for q in (MIGRATING, "ok"):
+        sweeps.watch(Sweeper(store, options, CeleryFollowUp(app)), q)
+    # Before, the whole master was left out: no queue of it was swept.
+    reports = sweeps.run_once(now_ms=1000 + 2 * LEASE_MS)
+    # (The first sweep of a queue finds no sweep before it: the lapsed claim
+    # is graced one lease, as after an outage, or requeued.)
+    assert [(r.queue, r.requeued + r.graced) for r in reports] == [("ok", ["lapsed"])], reports
+    assert client.zscore(store.keys("ok").active, "mine") == 1500 + 2 * LEASE_MS
