@@ -184,7 +184,6 @@ SENTINEL_TESTS = [
     "tests/e2e/test_recovery.py",
     "tests/e2e/test_cli.py",
     "tests/e2e/test_edges.py",
-    "tests/topology/test_sick_node.py",
 ]
 
 
@@ -227,6 +226,8 @@ def sentinel(session: nox.Session) -> None:
 #: The tests run with the broker on a Redis Cluster (results stay on EMQ_TEST_REDIS_URL).
 CLUSTER_TESTS = [
     "tests/topology/test_slots.py",
+    "tests/topology/test_sick_node.py",
+    "tests/topology/test_migrating_slot.py",
     "tests/transport/test_contract.py",
     "tests/e2e/test_worker.py",
     "tests/e2e/test_recovery.py",

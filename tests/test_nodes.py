@@ -138,16 +138,21 @@ def test_a_hung_node_delays_no_other_nodes_renewal_and_is_named(
     assert took_s < INTERVAL_MS / 1000 + 0.5, took_s
     assert healthy.client.zscore(healthy.keys("celery").active, "a") == 5000 + LEASE_MS
     assert sick.calls == 1
-    [late] = [r.getMessage() for r in caplog.records if "late" in r.getMessage()]
-    found = re.search(r"on sick:6379 is ([\d.]+) s late \(last renewed ([\d.]+) s ago", late)
-    assert found, late
-    assert 0.4 <= float(found[1]) <= 0.9 and 1.4 <= float(found[2]) <= 1.9, late
-    # The next pass does not queue behind the call that hangs.
+    # One interval late is no risk yet to a lease of three: no warning.
+    assert not [r for r in caplog.records if "late" in r.getMessage()]
+    time.sleep(0.6)
+    # The next pass does not queue behind the call that hangs; the node is
+    # now two intervals behind, and named once, with the figures.
     began = time.monotonic()
     keeper.renew_once(now_ms=5500)
     assert time.monotonic() - began < INTERVAL_MS / 1000
     assert sick.calls == 1
     assert healthy.client.zscore(healthy.keys("celery").active, "a") == 5500 + LEASE_MS
+    keeper.renew_once(now_ms=5600)
+    [late] = [r.getMessage() for r in caplog.records if "late" in r.getMessage()]
+    found = re.search(r"on sick:6379 is ([\d.]+) s late \(last renewed ([\d.]+) s ago", late)
+    assert found, late
+    assert 1.0 <= float(found[1]) <= 1.6 and 2.0 <= float(found[2]) <= 2.6, late
     assert keeper.overdue_nodes() == {"sick:6379"}
     # Once it answers, its lease is renewed and the trouble is over.
     sick.answer.set()
@@ -159,7 +164,8 @@ def test_a_hung_node_delays_no_other_nodes_renewal_and_is_named(
     assert sick.client.zscore(sick.keys("celery").active, "b") == 6000 + LEASE_MS
     assert keeper.overdue_nodes() == set()
     assert not keeper.is_lost(delivery_tag(*theirs))
-    assert any("renewed again" in r.getMessage() for r in caplog.records)
+    [again] = [r.getMessage() for r in caplog.records if "renewed again" in r.getMessage()]
+    assert re.search(r"renewed again, \d+\.\d s after the renewal before", again), again
 
 
 def test_a_hung_node_delays_no_other_nodes_sweep_nor_the_expiry_pass(
@@ -238,3 +244,37 @@ def test_a_hung_server_delays_no_other_servers_settles(
         for batcher in sending:
             batcher._lanes.close(10.0)
         stalled.close()
+
+
+class SlowStore(JobStore):
+    """A store whose first renewal takes ``slow_s`` (a busy machine), then answers at once."""
+
+    slow_s = 1.3
+
+    def extend(self, *args: Any, **kwargs: Any) -> Any:
+        if self.slow_s:
+            time.sleep(self.slow_s)
+            self.slow_s = 0.0
+        return super().extend(*args, **kwargs)
+
+
+def test_a_renewal_a_little_late_is_no_warning(
+    client: redis.Redis, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A pass that ends after its interval, though the lease (three intervals)
+    # was never at risk: said at debug level only, and nothing when it is over.
+    store = SlowStore(client, prefix + "emq", LEASE_MS)
+    keeper = ManualKeeper("me")
+    keeper.hold(store, "celery", [_claim(store, "celery", "a", 1000)], INTERVAL_MS)
+    caplog.set_level(logging.DEBUG, "celery_emq")
+    keeper.renew_once(now_ms=2000)
+    time.sleep(0.4)
+    keeper.renew_once(now_ms=3000)
+    assert store.client.zscore(store.keys("celery").active, "a") == 3000 + LEASE_MS
+    # Only what this keeper says of its node (a keeper thread another test left
+    # may still be talking of its own unreachable one).
+    node = store.node_of("celery")
+    mine = [r for r in caplog.records if node in r.getMessage()]
+    late = [r for r in mine if "late" in r.getMessage()]
+    assert [r.levelno for r in late] == [logging.DEBUG], [r.getMessage() for r in late]
+    assert not [r.getMessage() for r in mine if r.levelno >= logging.WARNING]

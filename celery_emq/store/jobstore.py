@@ -18,6 +18,7 @@ from celery_emq.errors import ReplicasUnconfirmedError
 from celery_emq.store.base import METRICS, PURGE_BATCH
 from celery_emq.store.batch import Batch
 from celery_emq.store.codec import pack
+from celery_emq.store.nodes import each_queue
 from celery_emq.store.outcomes import (
     UNSET,
     Claims,
@@ -396,15 +397,23 @@ class JobStore(Reads, Registry):
         """Promote due delayed jobs; say which of ``queues`` have jobs to claim, and
         when the earliest job still delayed in them is due.
 
-        One script call per queue (its keys share a slot), in one round trip.
+        One script call per queue (its keys share a slot), in one round trip;
+        each queue's reply is read on its own (:func:`each_queue`): a queue
+        whose call failed (its slot migrating) is named in ``failed``, the
+        others' replies stand.
+
+        Raises:
+            redis.RedisError: the round trip failed, or every queue's call did.
         """
         if not queues:
             return Scan([], None)
         batch = self.scripts.batch()
-        handles = [batch.promote(self.keys(q), PROMOTE_BATCH) for q in queues]
+        handles = {q: batch.promote(self.keys(q), PROMOTE_BATCH) for q in queues}
         batch.execute()
-        results = [batch.result(h) for h in handles]
-        due = [r[2] for r in results if r[2] >= 0]
-        return Scan(
-            [q for q, r in zip(queues, results, strict=True) if r[1]], min(due) if due else None
-        )
+        outcomes = each_queue(queues, lambda q: batch.result(handles[q]))
+        failed = {q: o.error for q, o in outcomes.items() if o.error is not None}
+        if len(failed) == len(outcomes):
+            raise next(iter(failed.values()))
+        results = {q: o.value for q, o in outcomes.items() if o.value is not None}
+        due = [r[2] for r in results.values() if r[2] >= 0]
+        return Scan([q for q, r in results.items() if r[1]], min(due) if due else None, failed)

@@ -16,18 +16,28 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from queue import SimpleQueue
 from typing import Any, Generic, TypeVar
 
-__all__ = ["Lanes", "Share", "Troubles"]
+from redis.exceptions import ClusterDownError, ConnectionError, RedisClusterException, TimeoutError
+
+__all__ = ["NODE_ERRORS", "Lanes", "Share", "Troubles", "each_queue"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 K = TypeVar("K", bound=Hashable)
+Q = TypeVar("Q", bound=Hashable)
+
+#: What says a node itself failed, not one of its queues: it is down or hangs
+#: (a connection error, a timeout), or no master serves the slot
+#: (``CLUSTERDOWN``, no node answers). Any other error is the queue's own: its
+#: slot migrating (``TRYAGAIN``, ``ASK``, redis-py's ``ClusterError`` once its
+#: redirections ran out), or a reply of its script.
+NODE_ERRORS = (ConnectionError, TimeoutError, ClusterDownError, RedisClusterException)
 
 
 @dataclass(frozen=True)
@@ -186,3 +196,28 @@ class Troubles:
 
     def __contains__(self, node: object) -> bool:
         return node in self._since
+
+
+def each_queue(queues: Iterable[Q], fn: Callable[[Q], T]) -> dict[Q, Share[T]]:
+    """Run ``fn`` on each of one node's queues; return each queue's outcome.
+
+    The one way every per-node pass (renewals, owed acks, scans, sweeps,
+    claims) goes through a node's queues. A queue whose call raises fails
+    alone: its slot may be migrating, and the node's other queues are
+    served as usual. An error of the node itself (:data:`NODE_ERRORS`) ends
+    the share: each queue not yet tried gets that error without a call (each
+    call would wait out its own socket timeout on a node that hangs).
+    """
+    out: dict[Q, Share[T]] = {}
+    down: BaseException | None = None
+    for queue in queues:
+        if down is not None:
+            out[queue] = Share(error=down)
+            continue
+        try:
+            out[queue] = Share(done=True, value=fn(queue))
+        except Exception as exc:
+            out[queue] = Share(error=exc)
+            if isinstance(exc, NODE_ERRORS):
+                down = exc
+    return out

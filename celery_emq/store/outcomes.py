@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = [
     "UNSET",
@@ -156,3 +156,6 @@ class Scan:
     #: in how many ms (server clock) the earliest delayed job of these queues is
     #: due; ``None``: none is delayed
     next_due_ms: int | None
+    #: the queues whose own call failed (a slot migrating), each with its error:
+    #: they are left out of ``waiting``
+    failed: dict[str, BaseException] = field(default_factory=dict)

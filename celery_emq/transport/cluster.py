@@ -21,15 +21,17 @@ from __future__ import annotations
 import logging
 import random
 import threading
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import TimeoutError as FuturesTimeout
 from functools import partial
 from typing import Any
 
 import redis
 from kombu.utils.encoding import bytes_to_str
 from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import ClusterDownError, RedisClusterException
+from redis.exceptions import AskError, ClusterError, RedisClusterException, TryAgainError
 
-from celery_emq.store.nodes import Lanes, Troubles
+from celery_emq.store.nodes import NODE_ERRORS, Lanes, Troubles, each_queue
 from celery_emq.store.outcomes import Scan
 from celery_emq.store.retries import CLUSTER_RETRIES, bound_cluster, cluster_class, cluster_retry
 from celery_emq.transport.wakers import WakingChannel
@@ -42,9 +44,10 @@ logger = logging.getLogger(__name__)
 #: is skipped (its lane stays busy) while the others' queues are consumed.
 SCAN_BOUND_S = 1.0
 
-#: What one master that is down, hung or failing over raises: its queues wait,
-#: the others' are consumed (no consumer restart that would wait on it).
-NODE_ERRORS = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, RedisClusterException)
+#: What a queue's own call raises while its slot migrates (``ClusterError``:
+#: redis-py's redirections ran out, ``TRYAGAIN`` included): the queue waits
+#: alone, the consumer goes on.
+QUEUE_ERRORS = (TryAgainError, AskError, ClusterError)
 
 
 class ClusterChannel(WakingChannel):
@@ -58,6 +61,8 @@ class ClusterChannel(WakingChannel):
         self._scan_lanes: Lanes[str] = Lanes("celery_emq-scan")
         #: Masters that do not answer the consumer.
         self._unanswered = Troubles()
+        #: Queues whose own calls fail (a slot migrating).
+        self._failing = Troubles()
         super().__init__(*args, **kwargs)
 
     # -- clients ---------------------------------------------------------
@@ -145,21 +150,32 @@ class ClusterChannel(WakingChannel):
             return super()._put_fanout(exchange, message, routing_key, **kwargs)
 
     def _live_node(self) -> tuple[str, int]:
-        """A node of the cluster that answers now, picked at random (spreads pub/sub)."""
+        """A node of the cluster that answers now: the first to answer a ping.
+
+        Every node is pinged at once, each from a thread of its own, so nodes
+        that hang cost the caller (kombu's event loop, when it connects) one
+        socket timeout at most, not one each in turn. The nodes are asked in a
+        random order, which spreads the workers' pub/sub over them.
+        """
         if self._node is not None:
             return self._node
         cluster = self.store.client
         nodes = list(cluster.get_nodes())
         random.shuffle(nodes)
-        last: Exception | None = None
-        for node in nodes:
-            try:
-                cluster.get_redis_connection(node).ping()
-            except redis.RedisError as exc:
-                last = exc
-                continue
-            self._node = (node.host, int(node.port))
-            return self._node
+        last: BaseException | None = None
+        pool = ThreadPoolExecutor(max(1, len(nodes)), thread_name_prefix="celery_emq-ping")
+        try:
+            pings = {pool.submit(cluster.get_redis_connection(n).ping): n for n in nodes}
+            for ping in as_completed(pings, timeout=self.store_timeout_s + 1):
+                if (last := ping.exception()) is None:
+                    node = pings[ping]
+                    self._node = (node.host, int(node.port))
+                    return self._node
+        except FuturesTimeout as exc:
+            last = last or exc
+        finally:
+            # A ping to a node that hangs ends on its socket timeout, unwaited.
+            pool.shutdown(wait=False)
         raise redis.ConnectionError(f"no node of the cluster answers: {last!r}")
 
     # -- kombu's binding tables: keys, on the cluster client ----------------
@@ -203,8 +219,11 @@ class ClusterChannel(WakingChannel):
         """Scan ``queues`` (see :meth:`JobStore.scan`): each master asked on its own lane.
 
         A master that fails or does not answer within :data:`SCAN_BOUND_S`
-        has its queues left out of this scan; the others' are claimed. Only
-        when every master fails does the error reach Celery (which reconnects).
+        has its queues left out of this scan, and a queue whose own call
+        failed (its slot migrating: ``TRYAGAIN``, ``ASK``, ``ClusterError``)
+        is left out alone; the others are claimed. Only when every master
+        fails as a node (:data:`NODE_ERRORS`) does the error reach Celery
+        (which reconnects).
         """
         by_node: dict[str, list[str]] = {}
         for q in queues:
@@ -214,12 +233,21 @@ class ClusterChannel(WakingChannel):
         due: list[int] = []
         errors: list[BaseException] = []
         for node, share in self._scan_lanes.run(shares, SCAN_BOUND_S).items():
-            if share.done:
-                if share.value is not None:
-                    found.extend(share.value.waiting)
-                    if share.value.next_due_ms is not None:
-                        due.append(share.value.next_due_ms)
+            if share.done and share.value is not None:
+                found.extend(share.value.waiting)
+                if share.value.next_due_ms is not None:
+                    due.append(share.value.next_due_ms)
                 self._answered(node, by_node[node])
+                for q in by_node[node]:
+                    if q in share.value.failed:
+                        self._queue_fails(node, q, share.value.failed[q])
+                    else:
+                        self._queue_answers(q)
+            elif share.error is not None and not isinstance(share.error, NODE_ERRORS):
+                # Every queue of the master failed on its own (one queue, migrating).
+                self._answered(node, by_node[node])
+                for q in by_node[node]:
+                    self._queue_fails(node, q, share.error)
             else:
                 if share.error is not None:
                     errors.append(share.error)
@@ -230,13 +258,22 @@ class ClusterChannel(WakingChannel):
         return Scan(found, min(due) if due else None)
 
     def _claim_and_deliver(self, queue: str, held: int) -> bool:
-        try:
-            return super()._claim_and_deliver(queue, held)
-        except NODE_ERRORS as exc:
-            # Nothing of the batch is held (a claim whose reply was lost
-            # lapses, uncounted: its task never started).
-            self._unanswering(self.store.node_of(queue), [queue], exc)
-            return False
+        # A claim follows a wake marker its master just popped, or a scan it
+        # just answered: only a master that stops answering in between costs
+        # the event loop a call's worst case.
+        node = self.store.node_of(queue)
+        outcome = each_queue([queue], partial(super()._claim_and_deliver, held=held))[queue]
+        if outcome.error is None:
+            return bool(outcome.value)
+        # Nothing of the batch is held (a claim whose reply was lost lapses,
+        # uncounted: its task never started).
+        if isinstance(outcome.error, NODE_ERRORS):
+            self._unanswering(node, [queue], outcome.error)
+        elif isinstance(outcome.error, QUEUE_ERRORS):
+            self._queue_fails(node, queue, outcome.error)
+        else:
+            raise outcome.error
+        return False
 
     def _unanswering(self, node: str, queues: list[str], why: object) -> None:
         self._unanswered.report(
@@ -255,6 +292,19 @@ class ClusterChannel(WakingChannel):
             node,
             ", ".join(queues),
         )
+
+    def _queue_fails(self, node: str, queue: str, why: BaseException) -> None:
+        self._failing.report(
+            queue,
+            "celery_emq: queue %s on %s fails on its own (%r; its slot may be migrating): "
+            "it waits; the master's other queues are consumed meanwhile",
+            queue,
+            node,
+            why,
+        )
+
+    def _queue_answers(self, queue: str) -> None:
+        self._failing.over(queue, "celery_emq: queue %s is consumed again (after %.1f s)", queue)
 
     def close(self) -> None:
         # The wakers end first (see WakingChannel.close); only then is their

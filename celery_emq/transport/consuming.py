@@ -270,8 +270,15 @@ class Consuming(StoreChannel):
         raise Empty()
 
     def _scan(self, queues: list[str]) -> Scan:
-        """Promote due delayed jobs; which of ``queues`` have jobs, when the next is due."""
-        return self.store.scan(queues)
+        """Promote due delayed jobs; which of ``queues`` have jobs, when the next is due.
+
+        On one server a queue's failed call is the server's: it is raised
+        (the cluster's channel lets a queue whose slot migrates wait alone).
+        """
+        scan = self.store.scan(queues)
+        if scan.failed:
+            raise next(iter(scan.failed.values()))
+        return scan
 
     @property
     def _scan_interval_s(self) -> float:

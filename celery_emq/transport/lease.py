@@ -18,7 +18,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
-from celery_emq.store.nodes import Lanes, Troubles
+from celery_emq.store.nodes import Lanes, Share, Troubles, each_queue
 from celery_emq.store.scripts import Outcome
 from celery_emq.transport.claims import (
     TAG_SEP,
@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 _keeper: LeaseKeeper | None = None
 _lock = threading.Lock()
+
+#: A queue of a store, as the keeper groups its claims: (id(store), queue name).
+QueueOf = tuple[int, str]
 
 #: How long a claim kept for a task the worker never heard of is held before it
 #: is let go (see LeaseKeeper.let_go_of_orphans): long enough for any accept
@@ -106,11 +109,16 @@ class LeaseKeeper:
         #: When each node's last renewal that succeeded began (monotonic
         #: seconds), by node (``JobStore.node_of``).
         self._node_renewed_at: dict[str, float] = {}
-        #: Failed renewals in a row, per node.
-        self._node_failures: dict[str, int] = {}
+        #: When each queue's last renewal that succeeded began, by (id(store), queue).
+        self._renewed_at: dict[QueueOf, float] = {}
+        #: Failed renewals in a row, per queue ("<queue> on <node>").
+        self._failures: dict[str, int] = {}
         self._lanes: Lanes[str] = Lanes("celery_emq-renew")
-        self._late = Troubles()
+        #: Nodes whose renewals are late: reported once, and once when over.
+        self._late = Troubles(every_s=float("inf"))
         self.renewals = 0
+        #: When the last pass began (monotonic seconds).
+        self._pass_began = float("-inf")
 
     def hold(
         self,
@@ -230,23 +238,17 @@ class LeaseKeeper:
             held = [self._held.get(t) for t in self._owed]
             return sum(1 for c in held if c is not None and c.store.prefix.startswith(prefix))
 
-    def _settle_owed(self, claims: list[tuple[str, Claim]]) -> int:
-        """Ack ``claims`` whose ack failed before; return how many went through."""
-        groups: dict[tuple[int, str], list[Claim]] = {}
-        for _tag, c in claims:
-            groups.setdefault((id(c.store), c.queue), []).append(c)
-        settled = 0
-        for group in groups.values():
-            group[0].store.ack_many(group[0].queue, [(c.job_id, c.token) for c in group])
-            with self._lock:
-                for c in group:
-                    tag = delivery_tag(c.job_id, c.token)
-                    self._owed.discard(tag)
-                    self._held.pop(tag, None)
-            settled += len(group)
-        if settled:
-            logger.info("celery_emq: %d deferred ack(s) went through", settled)
-        return settled
+    def _settle_owed(self, claims: list[Claim]) -> int:
+        """Ack one queue's ``claims`` whose ack failed before; return how many went through."""
+        first = claims[0]
+        first.store.ack_many(first.queue, [(c.job_id, c.token) for c in claims])
+        with self._lock:
+            for c in claims:
+                tag = delivery_tag(c.job_id, c.token)
+                self._owed.discard(tag)
+                self._held.pop(tag, None)
+        logger.info("celery_emq: %d deferred ack(s) went through", len(claims))
+        return len(claims)
 
     def release(self, tag: str, unless_started: bool = False, unseen: bool = False) -> None:
         """Put a held claim back at the front of its queue, uncounted.
@@ -337,46 +339,63 @@ class LeaseKeeper:
     def renew_once(self, now_ms: int | None = None) -> list[str]:
         """Renew every held lease now, node by node; return the delivery tags newly found lost.
 
-        Each node's share (its owed acks first, then its renewals) runs on
-        that node's lane (see :mod:`celery_emq.store.nodes`), all of them bounded by
-        the renewal interval: a node that hangs delays only its own leases,
-        and is named in a warning saying how late their renewal is.
+        Each node's share runs on that node's lane (see
+        :mod:`celery_emq.store.nodes`), all of them bounded by the renewal
+        interval: a node that hangs delays only its own leases, and is named
+        in a warning once they are at risk. Inside a share each queue (its
+        owed acks first, then its renewals) is served on its own
+        (:func:`~celery_emq.store.nodes.each_queue`): a queue whose slot
+        migrates waits alone, its master's other queues are renewed.
 
         Raises:
-            Exception: the first node's error, once every node's share was
-                applied (the others' renewals stand).
+            Exception: the first error of a node or queue, once every share
+                was applied (the others' renewals stand).
         """
+        self._pass_began = time.monotonic()
         with self._lock:
             claims = [(t, c) for t, c in self._held.items() if t not in self._lost]
             owed = set(self._owed)
-        by_node: dict[str, list[tuple[str, Claim]]] = {}
+        by_node: dict[str, dict[QueueOf, list[tuple[str, Claim]]]] = {}
         for tag, claim in claims:
-            by_node.setdefault(claim.store.node_of(claim.queue), []).append((tag, claim))
+            of_node = by_node.setdefault(claim.store.node_of(claim.queue), {})
+            of_node.setdefault((id(claim.store), claim.queue), []).append((tag, claim))
         shares = {
-            node: partial(self._renew_node, node, held, owed, now_ms)
-            for node, held in by_node.items()
+            node: partial(self._renew_node, node, queues, owed, now_ms)
+            for node, queues in by_node.items()
         }
         results = self._lanes.run(shares, self.interval_ms / 1000)
         self.renewals += 1
         lost: list[str] = []
         errors: list[BaseException] = []
         for node, share in results.items():
-            if share.done:
-                lost.extend(share.value or [])
-                self._node_failures.pop(node, None)
-            elif share.error is not None:
-                errors.append(share.error)
-                failures = self._node_failures[node] = self._node_failures.get(node, 0) + 1
-                log = logger.warning if failures == 1 else logger.debug
-                log(
-                    "celery_emq: renewing %d lease(s) on %s failed (%d in a row): %r",
-                    len(by_node[node]),
-                    node,
+            count = sum(len(held) for held in by_node[node].values())
+            if share.late:
+                self._report_late(node, count, share.busy_s)
+                continue
+            outcomes = share.value or {}
+            if share.error is not None:
+                outcomes = {q: Share(error=share.error) for q in by_node[node]}
+            for (store_id, queue), outcome in outcomes.items():
+                key = f"{queue} on {node}"
+                if outcome.error is None:
+                    lost.extend(outcome.value or [])
+                    if failed := self._failures.pop(key, 0):
+                        logger.warning(
+                            "celery_emq: leases of %s renewed again, after %d failed attempt(s)",
+                            key,
+                            failed,
+                        )
+                    continue
+                errors.append(outcome.error)
+                failures = self._failures[key] = self._failures.get(key, 0) + 1
+                (logger.warning if failures == 1 else logger.debug)(
+                    "celery_emq: renewing %d lease(s) of %s failed (%d in a row): %r; "
+                    "its other queues are renewed meanwhile",
+                    len(by_node[node][(store_id, queue)]),
+                    key,
                     failures,
-                    share.error,
+                    outcome.error,
                 )
-            else:
-                self._report_late(node, len(by_node[node]), share.busy_s)
         if errors:
             raise errors[0]
         return lost
@@ -384,27 +403,47 @@ class LeaseKeeper:
     def _renew_node(
         self,
         node: str,
-        claims: list[tuple[str, Claim]],
+        queues: dict[QueueOf, list[tuple[str, Claim]]],
         owed: set[str],
         now_ms: int | None,
-    ) -> list[str]:
-        """One node's share of a pass: ack its owed claims, then renew its leases."""
+    ) -> dict[QueueOf, Share[list[str]]]:
+        """One node's share of a pass: each queue's owed acks, then its renewals."""
         began = time.monotonic()
-        owing = [(t, c) for t, c in claims if t in owed]
+        # Queues that failed last pass go last: one whose slot migrates takes
+        # its redirections' time (about 0.4 s) after the others are renewed.
+        order = sorted(queues, key=lambda q: f"{q[1]} on {node}" in self._failures)
+        outcomes = each_queue(order, lambda q: self._renew_queue(queues[q], owed, now_ms, began))
+        if any(o.done for o in outcomes.values()):
+            with self._lock:
+                last, self._node_renewed_at[node] = self._node_renewed_at.get(node), began
+            if last is not None:
+                self._late.over(
+                    node,
+                    "celery_emq: leases on %s renewed again, %.1f s after the renewal before "
+                    "(renewal interval %.1f s; reported late for %.1f s)",
+                    node,
+                    began - last,
+                    self.interval_ms / 1000,
+                )
+        return outcomes
+
+    def _renew_queue(
+        self, claims: list[tuple[str, Claim]], owed: set[str], now_ms: int | None, began: float
+    ) -> list[str]:
+        """One queue's share: ack its owed claims, renew the rest; return the tags found lost."""
+        owing = [c for t, c in claims if t in owed]
         if owing:
             self._settle_owed(owing)
-        groups: dict[tuple[int, str], tuple[JobStore, list[tuple[str, str]]]] = {}
         with self._lock:
-            for tag, claim in claims:
-                if tag in self._held and tag not in self._owed:
-                    entry = groups.setdefault((id(claim.store), claim.queue), (claim.store, []))
-                    entry[1].append((claim.job_id, claim.token))
-        lost: list[str] = []
-        for (_, queue), (store, held) in groups.items():
-            lost.extend(delivery_tag(*c) for c in store.extend(queue, held, now_ms=now_ms))
-        self._late.over(node, "celery_emq: leases on %s renewed again (late for %.1f s)", node)
+            held = [
+                (c.job_id, c.token) for t, c in claims if t in self._held and t not in self._owed
+            ]
+        if not held:
+            return []
+        store, queue = claims[0][1].store, claims[0][1].queue
+        lost = [delivery_tag(*c) for c in store.extend(queue, held, now_ms=now_ms)]
         with self._lock:
-            self._node_renewed_at[node] = began
+            self._renewed_at[(id(store), queue)] = began
             # A claim settled while its renewal was on the way is not lost.
             found = [t for t in lost if t in self._held]
             self._lost.update(found)
@@ -418,31 +457,42 @@ class LeaseKeeper:
         return lost
 
     def _report_late(self, node: str, count: int, busy_s: float) -> None:
-        """Warn that ``node``'s renewals did not end within the renewal interval."""
+        """Warn, once, that ``node``'s renewals are so late that its leases are at risk.
+
+        A pass that ends after the renewal interval is no risk yet (a lease
+        outlives about three intervals): it is logged at debug level until the
+        last renewal is two intervals old.
+        """
         interval_s = self.interval_ms / 1000
         renewed_at = self._node_renewed_at.get(node)
         since_s = busy_s if renewed_at is None else time.monotonic() - renewed_at
-        self._late.report(
-            node,
+        args = (count, node, max(0.0, since_s - interval_s), since_s, interval_s)
+        msg = (
             "celery_emq: the renewal of %d lease(s) on %s is %.1f s late (last renewed %.1f s "
             "ago, renewal interval %.1f s): the node does not answer; other nodes' leases "
-            "are renewed meanwhile",
-            count,
-            node,
-            max(0.0, since_s - interval_s),
-            since_s,
-            interval_s,
+            "are renewed meanwhile"
         )
+        if since_s < 2 * interval_s and node not in self._late:
+            logger.debug(msg, *args)
+            return
+        self._late.report(node, msg, *args)
 
     def overdue_nodes(self, intervals: float = 1.0) -> set[str]:
         """Nodes holding claims of this process not renewed within ``intervals`` intervals."""
+        return {node for node, _store, _queue in self._overdue(intervals)}
+
+    def overdue_queues(self, intervals: float = 1.0) -> set[tuple[int, str]]:
+        """Queues (``id(store)``, name) whose claims of this process are overdue for renewal."""
+        return {(store, queue) for _node, store, queue in self._overdue(intervals)}
+
+    def _overdue(self, intervals: float) -> set[tuple[str, int, str]]:
         limit_s = intervals * self.interval_ms / 1000
         now = time.monotonic()
         with self._lock:
             claims = [c for t, c in self._held.items() if t not in self._lost]
-            renewed = dict(self._node_renewed_at)
-        nodes = {c.store.node_of(c.queue) for c in claims}
-        return {n for n in nodes if now - renewed.get(n, float("-inf")) >= limit_s}
+            renewed = dict(self._renewed_at)
+        queues = {(c.store.node_of(c.queue), id(c.store), c.queue) for c in claims}
+        return {q for q in queues if now - renewed.get(q[1:], float("-inf")) >= limit_s}
 
     def renew_if_overdue(self, now_ms: int | None = None) -> list[str]:
         """Renew the held leases unless every node's renewal succeeded within the interval.
@@ -453,8 +503,16 @@ class LeaseKeeper:
         run again before this keeper does: renewing first means a process never
         counts a stall against a claim it holds itself. Returns the delivery
         tags newly found lost, as :meth:`renew_once` does.
+
+        Nothing is renewed while the keeper's passes keep coming and every
+        overdue queue failed in the last one (its slot migrating): another
+        pass now would only hold up the keeper's next one on the same lanes.
         """
-        if not self._held or not self.overdue_nodes():
+        overdue = self._overdue(1.0)
+        if not self._held or not overdue:
+            return []
+        failing = {f"{queue} on {node}" for node, _store, queue in overdue} <= set(self._failures)
+        if failing and time.monotonic() - self._pass_began < self.interval_ms / 1000:
             return []
         return self.renew_once(now_ms)
 

@@ -15,7 +15,7 @@ from functools import partial
 from time import monotonic
 
 from celery_emq.store.jobstore import JobStore
-from celery_emq.store.nodes import Lanes, Troubles
+from celery_emq.store.nodes import Lanes, Share, Troubles, each_queue
 from celery_emq.transport import lease
 from celery_emq.transport.sweeper import Contact, Sweeper, SweepReport
 
@@ -46,6 +46,10 @@ class SweepThread:
         self._troubles = Troubles()
         #: This process's own record of its passes (the outage rule's evidence).
         self.contact = Contact()
+        #: Queues left out of the sweep while this process's leases on them are unrenewed.
+        self._unrenewed = Troubles()
+        #: Queues whose own sweep fails (a slot migrating).
+        self._failing = Troubles()
 
     def watch(self, sweeper: Sweeper, queue: str) -> None:
         """Start sweeping ``queue`` with ``sweeper`` (idempotent per store and queue)."""
@@ -93,24 +97,28 @@ class SweepThread:
         try:
             keeper.renew_if_overdue(now_ms)
         except Exception as exc:
-            logger.warning("celery_emq: could not renew this process's leases (%r)", exc)
+            # Each node or queue that failed was named once by the keeper.
+            logger.debug("celery_emq: could not renew this process's leases (%r)", exc)
         # Within two intervals a renewed lease has not lapsed (a lease is
         # over two renewal intervals long); past that, sweeping could count
         # a stall against this process's own claim.
-        unrenewed = keeper.overdue_nodes(intervals=2)
+        unrenewed = keeper.overdue_queues(intervals=2)
         by_node: dict[str, list[tuple[Sweeper, str]]] = {}
         stores: dict[int, Sweeper] = {}
         for sweeper, queue in targets:
             stores.setdefault(id(sweeper.store), sweeper)
-            by_node.setdefault(sweeper.store.node_of(queue), []).append((sweeper, queue))
-        for node in sorted(unrenewed & set(by_node)):
-            self._troubles.report(
-                node,
-                "celery_emq: this process's leases on %s could not be renewed: "
-                "its queues are not swept until they are",
-                node,
+            if (id(sweeper.store), queue) in unrenewed:
+                self._unrenewed.report(
+                    queue,
+                    "celery_emq: this process's leases of queue %s could not be renewed: "
+                    "it is not swept until they are",
+                    queue,
+                )
+                continue
+            self._unrenewed.over(
+                queue, "celery_emq: queue %s's leases renewed: swept again after %.1f s", queue
             )
-            del by_node[node]
+            by_node.setdefault(sweeper.store.node_of(queue), []).append((sweeper, queue))
         shares = {
             node: partial(_sweep_all, items, now_ms, self.contact)
             for node, items in by_node.items()
@@ -119,7 +127,20 @@ class SweepThread:
         interval_s = self._interval_s or 5.0
         for node, share in self._lanes.run(shares, interval_s).items():
             if share.done:
-                reports.extend(share.value or [])
+                for (_sweeper, queue), outcome in (share.value or {}).items():
+                    if outcome.value is not None:
+                        reports.append(outcome.value)
+                        self._failing.over(
+                            queue, "celery_emq: queue %s swept again after %.1f s", queue
+                        )
+                    else:
+                        self._failing.report(
+                            queue,
+                            "celery_emq: sweep of queue %s on %s failed (%r); retrying next pass",
+                            queue,
+                            node,
+                            outcome.error,
+                        )
                 self._troubles.over(node, "celery_emq: %s's queues swept again after %.1f s", node)
             elif share.late and share.busy_s >= interval_s:
                 self._troubles.report(
@@ -173,15 +194,9 @@ class SweepThread:
 
 def _sweep_all(
     targets: list[tuple[Sweeper, str]], now_ms: int | None, contact: Contact
-) -> list[SweepReport]:
+) -> dict[tuple[Sweeper, str], Share[SweepReport]]:
     """Sweep each of one node's queues; a queue whose sweep fails is tried next pass."""
-    reports = []
-    for sweeper, queue in targets:
-        try:
-            reports.append(sweeper.sweep(queue, now_ms, contact))
-        except Exception:
-            logger.exception("celery_emq: sweep of %s failed; retrying next pass", queue)
-    return reports
+    return each_queue(targets, lambda target: target[0].sweep(target[1], now_ms, contact))
 
 
 def _expire(sweeper: Sweeper) -> None:

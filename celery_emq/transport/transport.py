@@ -29,7 +29,9 @@ class Transport(kombu_redis.Transport):
     driver_name = "emq"
     # kombu reads these from the class. A cluster in transition (CLUSTERDOWN
     # while a master fails over, TRYAGAIN while slots move) is a connection
-    # error: Celery reconnects and retries. A single server never answers so.
+    # error: a publish is retried. The consumer's own passes meet these per
+    # queue and never raise them (see ClusterChannel): only a cluster where no
+    # master answers makes Celery reconnect. A single server never answers so.
     connection_errors = (
         *kombu_redis.Transport.connection_errors,
         redis.exceptions.ClusterError,
