@@ -199,9 +199,7 @@ class SettleBatcher:
             # Still waiting, as far as alone() is concerned, until sent or owed.
             self._sending = len(acks) + len(starts)
         try:
-            for tag in acks:
-                # The task finished: its start no longer matters.
-                starts.pop(tag, None)
+            # A start goes even when its task's ack goes with it: see _send.
             if acks or starts:
                 self._send(list(acks.values()), list(starts.values()))
         except BaseException as exc:
@@ -224,6 +222,12 @@ class SettleBatcher:
         this returns, every ack was sent or is owed.
         """
         by_node: dict[tuple[int, str], _StoreSend] = {}
+        # Start records first: each server runs its pipeline in order, so a
+        # start is written before the ack of its task sent with it. A server
+        # that then loses its last writes (a restart from a snapshot, a
+        # failover to a replica that lagged) and with them the ack keeps the
+        # start unless it lost both: the job comes back a started claim, and
+        # its lapse is a stall, not a lapse before a start.
         for c in starts:
             key = (id(c.store), c.store.node_of(c.queue))
             entry = by_node.setdefault(key, _StoreSend(c.store))
