@@ -12,6 +12,10 @@ task's body runs, and it carries the queued acks with it), and before the
 process takes a suspect (see ``Consuming._claim``): :meth:`SettleBatcher.alone`
 tells whether any ack could die with one.
 
+The start records go first in each pipeline, and a start goes even when its
+task's ack goes with it (a prefork task done within the delay): the server runs
+a pipeline in order, so the start is written before the ack.
+
 Outside a running worker (a plain kombu consumer, the CLI, a test) nothing
 waits: each settle is sent when it is made, as before.
 
