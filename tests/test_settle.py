@@ -17,6 +17,7 @@ from redis.connection import AbstractConnection
 
 from celery_emq.store.batch import Batch
 from celery_emq.store.jobstore import JobStore
+from celery_emq.store.loader import Loaded
 from celery_emq.store.outcomes import Outcome
 from celery_emq.transport import settle
 from celery_emq.transport.lease import Claim, LeaseKeeper
@@ -275,26 +276,53 @@ def test_a_start_interrupted_before_its_send_leaves_nothing_queued(store: JobSto
     assert b.queued() == 0 and b._starting == set()
 
 
-def test_the_start_of_a_task_acked_in_the_same_batch_is_not_sent(
+def test_a_start_and_its_ack_in_one_batch_leave_the_start_on_record(
     store: JobStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    starts: list[str] = []
-    original = Batch.start
+    """A task done within the delay: its start record goes too, written before its ack.
 
-    def start(self: Batch, k: Any, job_id: str, token: int) -> int:
-        starts.append(job_id)
-        return original(self, k, job_id, token)
+    A server that loses its last writes keeps a first part of them: losing the
+    ack, it keeps the start written before it, and the lapse is a stall.
+    """
+    sent: list[tuple[Loaded, str, list[str], list[Any]]] = []
+    original = Batch._send
 
-    monkeypatch.setattr(Batch, "start", start)
+    def send(self: Batch, calls: list[Any], confirm: Any, load: bool, client: Any = None) -> Any:
+        sent.extend((self._scripts, *call) for call in calls)
+        return original(self, calls, confirm, load, client)
+
+    monkeypatch.setattr(Batch, "_send", send)
     b = deferring(60_000)
     finished, running = claims_of(store, "q", ["finished", "running"])
+    k = store.keys("q")
+    row = store.client.dump(k.job_prefix + "finished")
+    deadline = store.client.zscore(k.active, "finished")
     b.start(finished)
     b.start(running)
     b.ack([finished])
     b.flush()
-    assert starts == ["running"]
+    assert b.sends == 1
+    assert [(name, keys[0] if name == "start" else args) for _, name, keys, args in sent] == [
+        ("start", k.job_prefix + "finished"),
+        ("start", k.job_prefix + "running"),
+        ("ack", ["finished", finished.token]),
+    ]
     assert store.job("q", "finished") == {}
     assert store.job("q", "running")["started"] == started_mark(running.token)
+
+    # The server loses the ack, and keeps what was written before it.
+    store.client.restore(k.job_prefix + "finished", 0, row, replace=True)
+    store.client.zadd(k.active, {"finished": deadline})
+    for scripts, name, keys, args in sent[: [c[1] for c in sent].index("ack")]:
+        scripts.run(name, keys, args)
+    assert store.job("q", "finished")["started"] == finished.token
+    # Its lapse is a stall, past a budget of none (as is the other, running one's).
+    lapsed = store.sweep("q", max_stalled=0, now_ms=int(deadline) + 1, max_lapsed=5)
+    assert sorted((s.id, s.outcome, s.stalled) for s in lapsed) == [
+        ("finished", "dead", 1),
+        ("running", "dead", 1),
+    ]
+    assert "lapsed" not in store.job("q", "finished")
 
 
 def test_an_ack_that_cannot_be_sent_is_owed_to_the_keeper(

@@ -11,6 +11,10 @@ process that holds its claim (that start record must reach Redis before the
 task's body runs, and it carries the queued acks with it), and before the
 process takes a suspect (see ``Consuming._claim``): none of them may die with it.
 
+The start records go first in each pipeline, and a start goes even when its
+task's ack goes with it (a prefork task done within the delay): the server runs
+a pipeline in order, so the start is written before the ack.
+
 Outside a running worker (a plain kombu consumer, the CLI, a test) nothing
 waits: each settle is sent when it is made, as before.
 
@@ -188,9 +192,7 @@ class SettleBatcher:
             # Still waiting, as far as queued() is concerned, until sent or owed.
             self._sending = len(acks) + len(starts)
         try:
-            for tag in acks:
-                # The task finished: its start no longer matters.
-                starts.pop(tag, None)
+            # A start goes even when its task's ack goes with it: see _send.
             if acks or starts:
                 self._send(list(acks.values()), list(starts.values()))
         except BaseException as exc:
@@ -213,6 +215,12 @@ class SettleBatcher:
         this returns, every ack was sent or is owed.
         """
         by_node: dict[tuple[int, str], _StoreSend] = {}
+        # Start records first: each server runs its pipeline in order, so a
+        # start is written before the ack of its task sent with it. A server
+        # that then loses its last writes (a restart from a snapshot, a
+        # failover to a replica that lagged) and with them the ack keeps the
+        # start unless it lost both: the job comes back a started claim, and
+        # its lapse is a stall, not a lapse before a start.
         for c in starts:
             key = (id(c.store), c.store.node_of(c.queue))
             entry = by_node.setdefault(key, _StoreSend(c.store))

@@ -110,6 +110,29 @@ class RedisServer:
         self.stop()
         self.start()
 
+    def writes(self) -> list[list[bytes]]:
+        """Every write in the AOF so far, in the order the server made them."""
+        return [args for _offset, args in _commands(_aof_file(self.dir).read_bytes())]
+
+    def restart_before(self, command: list[bytes]) -> int:
+        """SIGKILL the server and start it again from its AOF cut just before ``command``.
+
+        The server comes back as it was the moment before it ran the first write
+        that begins with ``command`` (or before the ``MULTI`` a script's writes
+        are wrapped in, when it is one of them), as after a crash that lost that
+        write and every one after it: a restart from a snapshot taken then, AOF
+        ``everysec`` losing its last second, or a failover to a replica the
+        write had not reached. Returns how many bytes of the AOF were cut.
+        """
+        assert self.aof, "only an AOF server keeps the writes to cut"
+        self.stop()
+        aof = _aof_file(self.dir)
+        data = aof.read_bytes()
+        cut = _offset_of(data, command)
+        aof.write_bytes(data[:cut])
+        self.start()
+        return len(data) - cut
+
     def stop(self, sig: int = signal.SIGKILL) -> None:
         """Stop the server (SIGKILL by default: a crash) and wait for it."""
         if self.proc is not None and self.proc.poll() is None:
@@ -122,6 +145,47 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _aof_file(workdir: Path) -> Path:
+    """The file an AOF server appends its writes to (Redis 7's incremental one, or 6.2's)."""
+    incr = sorted((workdir / "appendonlydir").glob("*.incr.aof"))
+    assert len(incr) <= 1, f"an AOF rewrite left several files: {incr}"
+    return incr[0] if incr else workdir / "appendonly.aof"
+
+
+def _commands(data: bytes) -> list[tuple[int, list[bytes]]]:
+    """Split an AOF's RESP text into its commands, each with the offset it starts at."""
+    out: list[tuple[int, list[bytes]]] = []
+    at = 0
+    while at < len(data):
+        start = at
+        end = data.index(b"\r\n", at)
+        assert data[at : at + 1] == b"*", f"not a command at byte {at}"
+        n = int(data[at + 1 : end])
+        at = end + 2
+        args = []
+        for _ in range(n):
+            end = data.index(b"\r\n", at)
+            size = int(data[at + 1 : end])
+            args.append(data[end + 2 : end + 2 + size])
+            at = end + 2 + size + 2
+        out.append((start, args))
+    return out
+
+
+def _offset_of(data: bytes, command: list[bytes]) -> int:
+    """Where the first write beginning with ``command`` starts (its ``MULTI``, if wrapped)."""
+    multi: int | None = None
+    for offset, args in _commands(data):
+        verb = args[0].upper()
+        if verb == b"MULTI":
+            multi = offset
+        elif verb == b"EXEC":
+            multi = None
+        elif [args[0].upper(), *args[1:]][: len(command)] == command:
+            return offset if multi is None else multi
+    raise AssertionError(f"no write {command!r} in the AOF")
 
 
 class StallingProxy:

@@ -77,6 +77,67 @@ def test_a_lost_ack_runs_the_job_at_most_once_more_and_its_success_stands(
     capp.close()
 
 
+def acked(writes: list[list[bytes]], rows: bytes) -> list[list[bytes]] | None:
+    """``writes``, once one of them deletes a job's row (the ack); else None."""
+    return writes if any(w[0] == b"DEL" and w[1].startswith(rows) for w in writes) else None
+
+
+def test_the_lost_ack_of_a_fast_prefork_task_finds_its_start_on_record(
+    redis_server: Callable[..., RedisServer],
+    fault_worker: Callable[..., Worker],
+    client: redis.Redis,
+    prefix: str,
+    redis_url: str,
+) -> None:
+    """A task done within ``settle_delay_ms``: its start record and its ack leave together.
+
+    The server comes back from its AOF cut just before the ack: it lost the ack
+    and every write after it, and kept every write before it.
+    """
+    broker = redis_server(aof=True)
+    worker = fault_worker(
+        broker,
+        "-P",
+        "prefork",
+        "-c",
+        "1",
+        name="a",
+        EMQ_E2E_MAX_STALLED="0",
+        # Long enough that the ack always finds the start record still queued.
+        EMQ_E2E_BROKER_OPTIONS='{"settle_delay_ms": 200}',
+        **ENV,
+    )
+    capp = client_app(broker.url, prefix, LEASE_MS, ledger=redis_url)
+    store = JobStore(broker.client(), prefix + "emq", LEASE_MS)
+    result = capp.send_task("tests.e2e.app.sleepy_here", args=(0.0, "t"))
+    assert result.get(timeout=30) == "t"
+    rows = store.keys("celery").job_prefix.encode()
+    # The ack: the job's row deleted (with its message).
+    writes = wait_for(lambda: acked(broker.writes(), rows), 10)
+    [deleted] = [i for i, w in enumerate(writes) if w[0] == b"DEL" and w[1].startswith(rows)]
+    job = writes[deleted][1]
+    job_id = job[len(rows) :].decode()
+    # Its start record was written too, and before it.
+    recorded = [i for i, w in enumerate(writes) if w[:3] == [b"HSET", job, b"started"]]
+    assert len(recorded) == 1 and recorded[0] < deleted, (recorded, deleted)
+
+    assert broker.restart_before([b"DEL", job]) > 0
+    row = store.job("celery", job_id)
+    assert row["state"] == "active", row  # the ack is gone
+    assert row["started"] == row["claim"], row  # its start is not
+
+    # A started claim nobody holds: a stall past the budget, and the job had
+    # succeeded, so it leaves the morgue as done. Not a lapse, not run again.
+    settle(store, timeout=30)
+    time.sleep(LEASE_MS / 1000)  # a second run, if any, would have started by now
+    assert runs(client, prefix) == {"t": 1}, explain(client, prefix, ["t"])
+    assert store.metrics("celery")["stalled"] == 1
+    assert (result.state, result.get(timeout=5)) == ("SUCCESS", "t")
+    assert client.hgetall(prefix + "dead-signals") == {}
+    assert "after its task succeeded" in worker.text()
+    capp.close()
+
+
 def pending_ids(store: JobStore) -> list[str]:
     return [i.decode() for i in store.client.zrange(store.keys("celery").pending, 0, -1)]
 
