@@ -117,20 +117,20 @@ def test_a_suspect_holds_claims_back_until_it_starts_settles_or_is_released(
     claimed = store.claim("q", "me", count=3, now_ms=1000)
     k = ManualKeeper("me")
     p, q, r = k.hold(store, "q", [(j.id, j.token) for j in claimed], interval_ms=60_000)
-    assert not k.awaits_suspect()
-    k.hold_suspect(p, 60)
-    assert k.awaits_suspect()
-    k.started(p)
-    assert not k.awaits_suspect()
-    k.hold_suspect(q, 60)
+    assert not k.suspects.awaited()
+    k.suspects.hold(p, 60)
+    assert k.suspects.awaited()
+    k.suspects.started(p)
+    assert not k.suspects.awaited()
+    k.suspects.hold(q, 60)
     assert k.forget(q) is not None  # settled
-    assert not k.awaits_suspect()
-    k.hold_suspect(r, 60)
+    assert not k.suspects.awaited()
+    k.suspects.hold(r, 60)
     k.release(r)
-    assert not k.awaits_suspect()
+    assert not k.suspects.awaited()
     # A claim no longer held is no suspect of this process.
-    k.hold_suspect(q, 60)
-    assert not k.awaits_suspect()
+    k.suspects.hold(q, 60)
+    assert not k.suspects.awaited()
 
 
 def test_a_suspect_whose_lease_was_lost_holds_nothing_back(
@@ -140,12 +140,12 @@ def test_a_suspect_whose_lease_was_lost_holds_nothing_back(
     [job] = store.claim("q", "me", now_ms=1000)
     k = ManualKeeper("me")
     [tag] = k.hold(store, "q", [(job.id, job.token)], interval_ms=60_000)
-    k.hold_suspect(tag, 60)
+    k.suspects.hold(tag, 60)
     store.reap("q", now_ms=1000 + store.lease_ms + 1)
     store.claim("q", "someone-else", now_ms=7000)
-    assert k.awaits_suspect()
+    assert k.suspects.awaited()
     assert k.renew_once(now_ms=8000) == [tag]
-    assert not k.awaits_suspect()
+    assert not k.suspects.awaited()
 
 
 def test_a_suspect_that_never_starts_holds_claims_back_for_a_bounded_time(
@@ -155,8 +155,8 @@ def test_a_suspect_that_never_starts_holds_claims_back_for_a_bounded_time(
     [job] = store.claim("q", "me", now_ms=1000)
     k = ManualKeeper("me")
     [tag] = k.hold(store, "q", [(job.id, job.token)], interval_ms=60_000)
-    k.hold_suspect(tag, 0.2)
-    assert k.awaits_suspect()
+    k.suspects.hold(tag, 0.2)
+    assert k.suspects.awaited()
     time.sleep(0.25)
-    assert not k.awaits_suspect()
+    assert not k.suspects.awaited()
     assert k.held_count() == 1  # still held and renewed: only the hold-back ended

@@ -315,7 +315,7 @@ def test_a_start_and_its_ack_in_one_batch_leave_the_start_on_record(
     store.client.zadd(k.active, {"finished": deadline})
     for scripts, name, keys, args in sent[: [c[1] for c in sent].index("ack")]:
         scripts.run(name, keys, args)
-    assert store.job("q", "finished")["started"] == finished.token
+    assert store.job("q", "finished")["started"] == started_mark(finished.token)
     # Its lapse is a stall, past a budget of none (as is the other, running one's).
     lapsed = store.sweep("q", max_stalled=0, now_ms=int(deadline) + 1, max_lapsed=5)
     assert sorted((s.id, s.outcome, s.stalled) for s in lapsed) == [

@@ -108,7 +108,7 @@ class Consuming(StoreChannel):
         if not queues:
             return
         if self._passed_suspect:
-            if keeper().awaits_suspect():
+            if keeper().suspects.awaited():
                 # A queue whose claim passed over a suspect this process may
                 # not take yet is left out of the wait (its markers could only
                 # be given back, and popped again), until the suspect held
@@ -163,7 +163,7 @@ class Consuming(StoreChannel):
         """
         wait_s = min(self._next_scan_at - monotonic(), self._idle_wait_s)
         if self._passed_suspect:
-            wait_s = min(wait_s, keeper().suspect_hold_s())
+            wait_s = min(wait_s, keeper().suspects.hold_s())
         return max(0.01, wait_s)
 
     def _suspect_cleared(self) -> None:
@@ -323,7 +323,7 @@ class Consuming(StoreChannel):
         A job that lapsed before its task started (a suspect) may kill this
         process while it is received. This process holds at most one such
         claim that has not started (see
-        :meth:`~celery_emq.transport.lease.LeaseKeeper.hold_suspect`), and
+        :meth:`~celery_emq.transport.suspects.Suspects.hold`), and
         takes other jobs beside it: should it die before the suspect starts,
         the sweep blames the suspect alone and forgives the rest (sweep.lua).
         A suspect it may not take keeps its place in line; its queue is left
@@ -336,7 +336,7 @@ class Consuming(StoreChannel):
             count,
             held=held,
             ttl_ms=ttl_ms,
-            take_suspect=not keeper().awaits_suspect(),
+            take_suspect=not keeper().suspects.awaited(),
         )
         if claimed.passed_suspect:
             self._passed_suspect.add(queue)
@@ -352,7 +352,7 @@ class Consuming(StoreChannel):
         for tag in suspects:
             # The keeper renews its lease, so no lapse of it frees this
             # process: one lease after its claim does.
-            keeper().hold_suspect(tag, self.emq.lease_ms / 1000, self._suspect_cleared)
+            keeper().suspects.hold(tag, self.emq.lease_ms / 1000, self._suspect_cleared)
         out = []
         try:
             if suspects:

@@ -14,7 +14,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -29,6 +28,7 @@ from celery_emq.transport.claims import (
     worker_identity,
 )
 from celery_emq.transport.process import host
+from celery_emq.transport.suspects import Suspects
 
 if TYPE_CHECKING:
     from celery_emq.store.jobstore import JobStore
@@ -97,12 +97,8 @@ class LeaseKeeper:
         # their task, though this worker had not heard of it (when): see
         # let_go_of_orphans.
         self._unseen: dict[str, float] = {}
-        # Claims handed out as suspects whose task has not been heard to start,
-        # each with the monotonic time it stops counting as one (see
-        # awaits_suspect).
-        self._suspects: dict[str, float] = {}
-        # What to call once each of them is cleared (see hold_suspect).
-        self._on_clear: dict[str, Callable[[], None]] = {}
+        #: The suspect this process holds, if its task has not started.
+        self.suspects = Suspects(self._live)
         self._interval_ms: int | None = None
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -150,68 +146,14 @@ class LeaseKeeper:
         with self._lock:
             self._lost.discard(tag)
             self._owed.discard(tag)
-            on_clear = self._clear_suspect(tag)
             held = self._held.pop(tag, None)
-        self._tell_cleared(on_clear)
+        self.suspects.forget(tag)
         return held
 
-    def hold_suspect(
-        self, tag: str, for_s: float, on_clear: Callable[[], None] | None = None
-    ) -> None:
-        """Note a held claim handed out as a suspect: this process takes no other for now.
-
-        A suspect lapsed before its task ever started: it may be a message that
-        kills the process receiving it. Should this process die before it
-        starts, the sweep blames it alone and forgives every other claim of
-        its queue, so this process holds one at a time (:meth:`awaits_suspect`):
-        until its task is heard to start (:meth:`started`), it is settled or
-        released, its lease is found lost, or ``for_s`` seconds passed (a
-        message that kills its receiver does so at once; one that waits, say
-        for its ETA or a rate limit, must not hold back the next for long).
-        ``on_clear`` is called (outside the keeper's lock, in the thread that
-        heard of it) once it starts, is settled or released.
-        """
+    def _live(self, tag: str) -> bool:
+        """Whether ``tag`` names a claim this process holds and has not found lost."""
         with self._lock:
-            if tag in self._held:
-                self._suspects[tag] = time.monotonic() + for_s
-                if on_clear is not None:
-                    self._on_clear[tag] = on_clear
-
-    def _clear_suspect(self, tag: str) -> Callable[[], None] | None:
-        """Drop a suspect; return what to call now that it is cleared. Under the lock."""
-        self._suspects.pop(tag, None)
-        return self._on_clear.pop(tag, None)
-
-    @staticmethod
-    def _tell_cleared(on_clear: Callable[[], None] | None) -> None:
-        if on_clear is not None:
-            try:
-                on_clear()
-            except Exception:
-                logger.debug("celery_emq: a suspect's clearing was not told", exc_info=True)
-
-    def started(self, tag: str) -> None:
-        """Note that a held claim's task started: it is no longer a suspect of this process."""
-        with self._lock:
-            on_clear = self._clear_suspect(tag)
-        self._tell_cleared(on_clear)
-
-    def awaits_suspect(self) -> bool:
-        """Whether a suspect this process holds has not started yet: take no other now."""
-        now = time.monotonic()
-        with self._lock:
-            for tag, until in list(self._suspects.items()):
-                if tag not in self._held or tag in self._lost or now >= until:
-                    self._clear_suspect(tag)
-            return bool(self._suspects)
-
-    def suspect_hold_s(self) -> float:
-        """How long, at most, the suspect this process holds counts as one (0: none)."""
-        if not self.awaits_suspect():
-            return 0.0
-        with self._lock:
-            until = min(self._suspects.values(), default=time.monotonic())
-        return max(0.0, until - time.monotonic())
+            return tag in self._held and tag not in self._lost
 
     def owe_acks(self, claims: list[Claim]) -> None:
         """Hold finished claims whose ack failed; ack them again on every pass.

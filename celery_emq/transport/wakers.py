@@ -240,7 +240,7 @@ class WakingChannel(Channel):
     def _wake_groups(self) -> dict[int, dict[str, str]]:
         """The wake and soon lists of the active queues, by slot (key -> queue)."""
         groups: dict[int, dict[str, str]] = {}
-        if self._passed_suspect and not keeper().awaits_suspect():
+        if self._passed_suspect and not keeper().suspects.awaited():
             self._passed_suspect.clear()
         for q in self.active_queues:
             if q in self._passed_suspect:

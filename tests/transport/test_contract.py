@@ -797,7 +797,7 @@ def test_a_process_holding_a_suspect_still_hears_broadcasts_and_does_not_spin(
     ):
         consume_until(conn, got, 1, 5)
         assert [b for b, _ in got] == ["suspect"]
-        assert own_keeper.awaits_suspect()
+        assert own_keeper.suspects.awaited()
         with connect() as other:
             Producer(other.channel(), exchange=ex).publish("ping", serializer="json")
         turns = 0
@@ -808,7 +808,7 @@ def test_a_process_holding_a_suspect_still_hears_broadcasts_and_does_not_spin(
                 conn.drain_events(timeout=0.5)
             except TimeoutError:
                 pass
-        assert own_keeper.awaits_suspect()  # still held: nothing else was claimed
+        assert own_keeper.suspects.awaited()  # still held: nothing else was claimed
         assert heard == ["ping"]
         # Waiting, not spinning: a turn ends on a message, a wait's end or its timeout.
         assert turns < 30, turns
