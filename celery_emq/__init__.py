@@ -16,6 +16,7 @@ from kombu.transport import TRANSPORT_ALIASES
 from celery_emq._moved import install as _install_moved
 from celery_emq.errors import (
     BatchFlushError,
+    BatchMessage,
     BrokerFullError,
     EmqError,
     InvalidOptionError,
@@ -29,6 +30,7 @@ from celery_emq.options import EmqOptions
 
 __all__ = [
     "BatchFlushError",
+    "BatchMessage",
     "BrokerFullError",
     "DeadJob",
     "EmqError",
