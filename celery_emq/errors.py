@@ -221,8 +221,8 @@ class BatchMessage(NamedTuple):
 class BatchFlushError(EmqError):
     """A publish batch's flush failed, with what is known (kombu's ``BatchPublishError`` too).
 
-    ``messages`` names every message of the flush (and a publish the flush
-    came before, which it was not buffered) as a :class:`BatchMessage`: its
+    ``messages`` names every message of the flush (and the publish a flush at
+    ``max_size`` was making room for, not sent) as a :class:`BatchMessage`: its
     queue, job id, Celery task id and outcome, in the order they were flushed
     (each queue's jobs together, fanout messages last). The jobs are also in
     exactly one of three lists, each of ``(queue, job_id)``: ``stored`` (the

@@ -17,13 +17,22 @@ replayed pipeline of ``LPUSH`` stores every message twice. Here a replay is
 harmless: each job's id is fixed before the job is buffered, and
 ``enqueue_many.lua`` stores a job only if no job with its id exists (it answers
 DUPLICATE otherwise, changing nothing). So a pipeline that redis-py sends again
-after a lost reply, or a flush the caller publishes again from
-:class:`~celery_emq.errors.BatchFlushError`'s ``unknown`` list, stores no job
-twice while the first copy waits or runs. (Once that job ran and was acked its
+after a lost reply, or the messages of a failed flush the caller publishes
+again with the job ids :class:`~celery_emq.errors.BatchFlushError` names,
+stores no job twice while the first copy waits or runs. (Once that job ran and was acked its
 id is free again, as for a single publish kombu retries.) Fanout messages
 (remote control broadcasts) have no job id: they are sent at the flush in one
 pipeline when the client does not retry, else one ``PUBLISH`` each, as a
 publish outside a batch would be.
+
+A failed flush. Whatever fails (building or sending the calls, a reply, too few
+replicas, a fanout ``PUBLISH``), the flush raises :class:`BatchFlushError`,
+kombu's ``BatchPublishError`` and no connection error, so kombu's publish retry
+does not publish again into the failed batch. It names every message as a
+:class:`~celery_emq.errors.BatchMessage`: queue, job id, Celery task id and
+whether it was stored, not sent, or of unknown outcome. A failed store sends
+no fanout message; a publish that a flush at ``max_size`` came before is named
+not sent.
 """
 
 from __future__ import annotations
