@@ -15,6 +15,7 @@ from kombu.transport import TRANSPORT_ALIASES
 
 from celery_emq.errors import (
     BatchFlushError,
+    BatchMessage,
     BrokerFullError,
     EmqError,
     InvalidOptionError,
@@ -28,6 +29,7 @@ from celery_emq.options import EmqOptions
 
 __all__ = [
     "BatchFlushError",
+    "BatchMessage",
     "BrokerFullError",
     "DeadJob",
     "EmqError",

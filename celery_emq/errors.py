@@ -11,10 +11,14 @@ kombu's ``OperationalError`` or ``BatchPublishError`` (see
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = [
+    "NOT_STORED",
+    "STORED",
+    "UNKNOWN",
     "BatchFlushError",
+    "BatchMessage",
     "BrokerFullError",
     "CeleryHookMissingError",
     "EmqError",
@@ -189,17 +193,48 @@ class UnknownJobError(EmqError, LookupError):
         return (type(self), (self.missing, self.queue, self.done))
 
 
+#: What became of one message of a failed publish batch flush (:class:`BatchMessage`).
+STORED = "stored"
+NOT_STORED = "not stored"
+UNKNOWN = "unknown"
+
+
+class BatchMessage(NamedTuple):
+    """One message of a failed publish batch flush, and what became of it.
+
+    A message routed to several queues is one ``BatchMessage`` per queue.
+    """
+
+    #: The queue; for a fanout message (a broadcast), the channel it is published on.
+    queue: str
+    #: The job id (``emq_job_id``); ``None`` for a fanout message, which has none.
+    job_id: str | None
+    #: The Celery task id (the message's ``id`` header); ``None`` if not a task.
+    task_id: str | None
+    #: :data:`STORED` (in its queue, or already there: a job with its id
+    #: existed), :data:`NOT_STORED` (never sent) or :data:`UNKNOWN` (the call
+    #: carrying it failed or its reply was lost: it may or may not be stored).
+    #: A fanout message counts as stored once published.
+    outcome: str
+
+
 class BatchFlushError(EmqError):
     """A publish batch's flush failed, with what is known (kombu's ``BatchPublishError`` too).
 
-    Every job of the flush is in exactly one of three lists, each of
-    ``(queue, job_id)``: ``stored`` (the job is in its queue), ``duplicate``
-    (a job with its id was already there: nothing changed) and ``unknown``
-    (the call carrying it failed, or its reply was lost: it may or may not be
-    stored). Publishing the ``unknown`` ones again with their job ids
-    (``emq_job_id``) stores none of them twice while they wait or run.
-    ``confirmed`` is how many replicas acknowledged the flush (``None``: not
-    asked, see ``wait_replicas``).
+    ``messages`` names every message of the flush (and the publish a flush at
+    ``max_size`` was making room for, not sent) as a :class:`BatchMessage`: its
+    queue, job id, Celery task id and outcome, in the order they were flushed
+    (each queue's jobs together, fanout messages last). The jobs are also in
+    exactly one of three lists, each of ``(queue, job_id)``: ``stored`` (the
+    job is in its queue), ``duplicate`` (a job with its id was already there:
+    nothing changed) and ``unknown`` (the call carrying it failed, or its
+    reply was lost: it may or may not be stored). ``confirmed`` is how many
+    replicas acknowledged the flush (``None``: not asked, see ``wait_replicas``).
+
+    Publishing a message that is not known stored again with its job id
+    (``emq_job_id``, and for a Celery task the same ``task_id``) stores none
+    twice while the first copy waits or runs: ``task_ids(UNKNOWN, NOT_STORED)``
+    with each message's ``job_id`` is what a Celery caller sends again.
     """
 
     def __init__(
@@ -209,19 +244,42 @@ class BatchFlushError(EmqError):
         duplicate: list[tuple[str, str]],
         unknown: list[tuple[str, str]],
         confirmed: int | None = None,
+        messages: Sequence[BatchMessage] = (),
     ) -> None:
         self.reason = reason
         self.stored = stored
         self.duplicate = duplicate
         self.unknown = unknown
         self.confirmed = confirmed
+        self.messages = [BatchMessage(*m) for m in messages]
+        counts = {
+            outcome: sum(m.outcome == outcome for m in self.messages)
+            for outcome in (NOT_STORED, UNKNOWN)
+        }
+        pending = self.task_ids(UNKNOWN, NOT_STORED)
+        shown = ", ".join(pending[:5]) + (
+            f" and {len(pending) - 5} more" if len(pending) > 5 else ""
+        )
         super().__init__(
             f"publish batch flush failed ({reason}): {len(stored)} job(s) stored, "
             f"{len(duplicate)} already there, {len(unknown)} of unknown outcome"
+            + (f", {counts[NOT_STORED]} message(s) not sent" if counts[NOT_STORED] else "")
+            + (f"; task(s) not known stored: {shown}" if pending else "")
         )
+
+    def task_ids(self, *outcomes: str) -> list[str]:
+        """Return the Celery task ids of the messages with one of ``outcomes``, in order."""
+        return [m.task_id for m in self.messages if m.outcome in outcomes and m.task_id]
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (
             type(self),
-            (self.reason, self.stored, self.duplicate, self.unknown, self.confirmed),
+            (
+                self.reason,
+                self.stored,
+                self.duplicate,
+                self.unknown,
+                self.confirmed,
+                [tuple(m) for m in self.messages],
+            ),
         )

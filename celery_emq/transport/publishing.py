@@ -46,7 +46,8 @@ class Publishing(StoreChannel):
         ttl_ms = self._queue_ttl.get(queue, 0)
         publish_batch = kwargs.get(BATCH_ARGUMENT)
         if isinstance(publish_batch, PublishBatch):
-            publish_batch.enqueue(queue, job, ttl_ms, is_task)
+            task_id = (message.get("headers") or {}).get("id") if is_task else None
+            publish_batch.enqueue(queue, job, ttl_ms, is_task, task_id)
             return
         job_id = job.id
         try:

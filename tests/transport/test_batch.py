@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -290,3 +292,149 @@ def test_a_flush_sent_again_stores_no_job_twice(connect: ConnFactory, store: Job
         assert store.enqueue_many(name, js) == [Outcome.DUPLICATE] * 5
     batch.close()
     assert store.size("q") == 5
+
+
+def task_headers(task_id: str) -> dict[str, Any]:
+    """The headers a Celery task message carries (protocol 2): its name and id."""
+    return {"task": "tests.noop", "id": task_id}
+
+
+def test_a_failed_fanout_flush_raises_batch_publish_error_naming_the_message(
+    connect: ConnFactory, server: RedisServer
+) -> None:
+    # Not the raw redis error: kombu's retry (apply_async's retry=True) would
+    # take that for a lost connection and publish into the failed batch again.
+    conn = connect(emq_url(server), socket_timeout=1)
+    exchange = Exchange("bcast", "fanout", durable=False)
+    producer = Producer(conn.channel())
+    with pytest.raises(BatchPublishError) as err, producer.batch():
+        producer.publish({"ping": 1}, exchange=exchange, declare=[exchange])
+        server.stop()
+    failed = err.value
+    assert isinstance(failed, BatchFlushError)
+    assert isinstance(failed.__cause__, redis.ConnectionError)
+    assert [(m.job_id, m.task_id, m.outcome) for m in failed.messages] == [(None, None, "unknown")]
+
+
+def test_a_fanout_publish_retried_by_kombu_is_not_retried_into_a_failed_batch(
+    connect: ConnFactory, server: RedisServer
+) -> None:
+    conn = connect(emq_url(server), socket_timeout=1)
+    exchange = Exchange("bcast", "fanout", durable=False)
+    producer = Producer(conn.channel())
+    producer.publish({"warm": 1}, exchange=exchange, declare=[exchange])
+    server.stop()
+    with pytest.raises(BatchPublishError) as err, producer.batch(max_size=1):
+        producer.publish(
+            {"ping": 1},
+            exchange=exchange,
+            retry=True,
+            retry_policy={"max_retries": 2, "interval_start": 0, "interval_step": 0},
+        )
+    # The first attempt's error, naming its message: kombu did not publish again.
+    assert isinstance(err.value, BatchFlushError)
+    assert [(m.job_id, m.outcome) for m in err.value.messages] == [(None, "unknown")]
+
+
+def test_a_failed_flush_names_each_message_by_task_id_and_the_fanout_not_sent(
+    connect: ConnFactory, server: RedisServer
+) -> None:
+    conn = connect(emq_url(server), socket_timeout=1)
+    q = queue()
+    exchange = Exchange("bcast", "fanout", durable=False)
+    producer = producer_on(conn, q)
+    with pytest.raises(BatchPublishError) as err, producer.batch():
+        for i in range(3):
+            producer.publish(
+                {"i": i}, exchange=q.exchange, routing_key="q", headers=task_headers(f"t{i}")
+            )
+        producer.publish({"reply": 1}, exchange=q.exchange, routing_key="q")
+        producer.publish({"ping": 1}, exchange=exchange, declare=[exchange])
+        server.stop()
+    failed = err.value
+    assert isinstance(failed, BatchFlushError)
+    got = [(m.queue, m.task_id, m.outcome) for m in failed.messages]
+    assert got[:4] == [
+        ("q", "t0", "unknown"),
+        ("q", "t1", "unknown"),
+        ("q", "t2", "unknown"),
+        ("q", None, "unknown"),
+    ]
+    # The store's call failed: the broadcast was never sent, and the error says so.
+    assert [(m.job_id, m.outcome) for m in failed.messages[4:]] == [(None, "not stored")]
+    assert [m.job_id for m in failed.messages[:4]] == [j for _, j in failed.unknown]
+    assert failed.task_ids("unknown") == ["t0", "t1", "t2"]
+    assert "t0" in str(failed)
+
+
+def test_a_flush_failing_before_a_publish_names_that_publish_not_stored(
+    connect: ConnFactory, server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conn = connect(emq_url(server), socket_timeout=1)
+    x = Exchange("x", "direct")
+    producer = producer_on(
+        conn, Queue("q1", x, routing_key="one"), Queue("q1", x, routing_key="both")
+    )
+    Queue("q2", x, routing_key="both")(producer.channel).declare()
+    channel = producer.channel
+    # Routing reads kombu's bindings from Redis: read them once, before the server stops.
+    monkeypatch.setattr(channel, "_lookup", functools.lru_cache(channel._lookup))
+    assert sorted(channel._lookup("x", "both")) == ["q1", "q2"]
+    assert sorted(channel._lookup("x", "one")) == ["q1"]
+    with pytest.raises(BatchPublishError) as err, producer.batch(max_size=2):
+        producer.publish({"i": 0}, exchange=x, routing_key="one", headers=task_headers("a"))
+        server.stop()
+        # Two jobs: the flush at max_size comes before they are buffered, and fails.
+        producer.publish({"i": 1}, exchange=x, routing_key="both", headers=task_headers("b"))
+    failed = err.value
+    assert isinstance(failed, BatchFlushError)
+    got = [(m.queue, m.task_id, m.outcome) for m in failed.messages]
+    # kombu routes to a message's queues in no fixed order.
+    assert got[:1] + sorted(got[1:]) == [
+        ("q1", "a", "unknown"),
+        ("q1", "b", "not stored"),
+        ("q2", "b", "not stored"),
+    ]
+    assert failed.task_ids("unknown", "not stored") == ["a", "b", "b"]
+
+
+def test_a_flush_whose_every_job_is_a_duplicate_registers_its_queue(
+    connect: ConnFactory, store: JobStore
+) -> None:
+    # A replayed pipeline (or a caller publishing the unknown jobs again) finds
+    # every job already there: its queue must still be recorded, as a single
+    # publish's DUPLICATE records it.
+    q = queue()
+    first = producer_on(connect(), q)
+    with first.batch():
+        first.publish(
+            {}, exchange=q.exchange, routing_key="q", emq_job_id="j1", headers=task_headers("t1")
+        )
+    assert store.queues() == ["q"]
+    store.client.srem(store.registry_key, "q")
+    again = producer_on(connect(), q)
+    with again.batch():
+        again.publish(
+            {}, exchange=q.exchange, routing_key="q", emq_job_id="j1", headers=task_headers("t1")
+        )
+    assert store.size("q") == 1
+    assert store.queues() == ["q"]
+
+
+def test_a_batch_flush_error_pickles_with_its_messages() -> None:
+    from celery_emq.transport.errors import BatchFlushError as Raised
+
+    failed = Raised(
+        "ConnectionError: lost",
+        [],
+        [],
+        [("q", "j1")],
+        messages=[("q", "j1", "t1", "unknown"), ("/0.bcast", None, None, "not stored")],
+    )
+    again = pickle.loads(pickle.dumps(failed))
+    assert isinstance(again, BatchPublishError)
+    assert again.messages == failed.messages
+    assert again.messages[0].task_id == "t1"
+    assert again.task_ids("unknown") == ["t1"]
+    assert str(again) == str(failed)
+    assert "task(s) not known stored: t1" in str(again)
