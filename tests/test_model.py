@@ -601,6 +601,21 @@ class JobStoreModel(RuleBasedStateMachine):
         assert self.store.start(QUEUE, c.id, c.token) == expected
         self._untouched(before)
 
+    @precondition(lambda self: any(j.lapsed for j in self._in("active")))
+    @rule(data=st.data())
+    def receive(self, data: st.DataObject) -> None:
+        """A consumer received a suspect whole: its lapses (and its blame) are forgotten."""
+        c = data.draw(st.sampled_from([c for c in self.claims if self.jobs[c.id].lapsed]))
+        job = self.jobs[c.id]
+        if job.state != "active":
+            expected = Outcome.NOT_FOUND
+        elif self._fences(job, c.token, "start"):
+            expected = Outcome.FENCED
+        else:
+            expected = Outcome.OK
+            job.lapsed = 0
+        assert self.store.receive(QUEUE, c.id, c.token) == expected
+
     @precondition(lambda self: any(self.holding.values()) or any(self.frozen.values()))
     @rule(owner=st.sampled_from(OWNERS))
     def extend(self, owner: str) -> None:
@@ -813,6 +828,7 @@ class JobStoreModel(RuleBasedStateMachine):
             and job.state != "gone"
             and job.token == claim
             and job.started != claim.partition(".")[0]
+            and job.lapsed > 0
             and job.owner == owner
         ):
             return sid

@@ -70,39 +70,6 @@ def test_a_job_of_another_pool_records_its_own_start(
     assert worker_batcher.queued() == 0
 
 
-def test_a_suspect_a_prefork_child_accepted_no_longer_holds_claims_back(
-    worker_batcher: SettleBatcher, claimed: tuple[str, int]
-) -> None:
-    tag, _ = claimed
-    keeper().suspects.hold(tag, 60)
-    marks.submit(tag, object())
-    assert keeper().suspects.awaited()
-    starts.note_accepted(accepted(tag))
-    assert not keeper().suspects.awaited()
-
-
-def test_a_suspect_whose_task_starts_in_this_process_no_longer_holds_claims_back(
-    worker_batcher: SettleBatcher, claimed: tuple[str, int], store: JobStore
-) -> None:
-    # Solo, threads, gevent, eventlet: the task starts where its claim is held.
-    tag, token = claimed
-    keeper().suspects.hold(tag, 60)
-    starts.install()
-    app = Celery("solo", set_as_current=False)
-
-    @app.task
-    def job() -> None: ...
-
-    assert keeper().suspects.awaited()
-    job.push_request(properties={"delivery_tag": tag})
-    try:
-        task_prerun.send(sender=job, task_id="t", task=job)
-    finally:
-        job.pop_request()
-    assert not keeper().suspects.awaited()
-    assert store.job("q", "a")["started"] == started_mark(token)
-
-
 def test_a_prefork_child_sends_nothing_when_its_task_starts(
     worker_batcher: SettleBatcher, store: JobStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:

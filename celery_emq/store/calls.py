@@ -142,9 +142,11 @@ def enqueue_many_outcomes(reply: Any, expected: int) -> list[Outcome]:
     return [outcome_of(code, "enqueue_many") for code in reply]
 
 
-def start_call(k: QueueKeys, job_id: str, token: str) -> tuple[list[str], list[Any]]:
-    """The KEYS and ARGV of one ``start.lua`` call."""
-    return [k.job(job_id), k.metrics("fenced")], [token]
+def start_call(
+    k: QueueKeys, job_id: str, token: str, received: bool = False
+) -> tuple[list[str], list[Any]]:
+    """The KEYS and ARGV of one ``start.lua`` call (``received``: only that, not a start)."""
+    return [k.job(job_id), k.metrics("fenced")], [token, "received" if received else "started"]
 
 
 def ack_call(k: QueueKeys, chunk: Sequence[tuple[str, str]]) -> tuple[list[str], list[Any]]:

@@ -179,9 +179,9 @@ class JobStore(Reads, Registry):
         (``token``: the delivery count and a nonce no rollback can reissue),
         which every later settle of that claim names. A job that lapsed before
         its task started (a suspect) is taken one per call, and only if
-        ``take_suspect`` (the caller holds none that has not started); one
-        it may not take keeps its place while the jobs behind it are taken
-        (:attr:`Claims.passed_suspect`).
+        ``take_suspect``; one it may not take keeps its place while the jobs
+        behind it are taken (:attr:`Claims.passed_suspect`). A consumer
+        records a suspect received (:meth:`receive`) once it decoded it.
         """
         return self.scripts.claim(
             self.keys(queue), now_ms, self.lease_ms, owner, count, held, ttl_ms, take_suspect
@@ -190,6 +190,15 @@ class JobStore(Reads, Registry):
     def start(self, queue: str, job_id: str, token: str) -> Outcome:
         """Record that a claim's task started: a lapse of that claim is then a stall."""
         return self.scripts.start(self.keys(queue), job_id, token)
+
+    def receive(self, queue: str, job_id: str, token: str) -> Outcome:
+        """Record that a claim's message was received whole: it is no suspect any more.
+
+        A job that lapsed before its task started (a suspect) may be a message
+        that kills its worker as it is received; once its consumer received it,
+        it is not, and its count of such lapses is cleared (``start.lua``).
+        """
+        return self.scripts.start(self.keys(queue), job_id, token, received=True)
 
     def ack(self, queue: str, job_id: str, token: str) -> Outcome:
         """Delete a finished job (see :meth:`ack_many` for the outcomes)."""

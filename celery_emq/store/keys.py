@@ -39,7 +39,8 @@ key                             type    content                           ends
 ``<p>:{q}:suspects``            HASH    each owner's last suspect         PX 1 day, renewed by each
                                         handed out (``<id> <claim id>``): suspect claimed; a stale
                                         the sweep blames it alone when    entry is dropped by the
-                                        its owner dies before it starts   sweep that reads it
+                                        its owner dies before receiving   sweep that reads it
+                                        it whole
 ``<p>:{q}:seq``                 STRING  tail sequence (INCR) for FIFO     deleted when nothing is
                                         order                             pending (claim, sweep)
 ``<p>:{q}:head``                STRING  head sequence (INCR) for          deleted when nothing is

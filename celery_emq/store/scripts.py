@@ -166,10 +166,9 @@ class Scripts(Loaded):
         """Claim up to ``count`` jobs, leasing each to ``owner`` under a fresh claim id.
 
         A job that lapsed before its task started (a suspect, its
-        :class:`Claimed` marked ``suspect``) is taken only if ``take_suspect``
-        (the caller holds none that has not started), one per call; one it
-        may not take keeps its place, the jobs behind it are taken, and the
-        reply says so (``passed_suspect``).
+        :class:`Claimed` marked ``suspect``) is taken only if ``take_suspect``,
+        one per call; one it may not take keeps its place, the jobs behind it
+        are taken, and the reply says so (``passed_suspect``).
         """
         nonce = new_nonce()
         reply = self.run(
@@ -197,9 +196,10 @@ class Scripts(Loaded):
         out.passed_suspect = passed
         return out
 
-    def start(self, k: QueueKeys, job_id: str, token: str) -> Outcome:
-        """Record that the claim ``token`` of a job started its task."""
-        return outcome_of(self.run("start", *start_call(k, job_id, token)), "start")
+    def start(self, k: QueueKeys, job_id: str, token: str, received: bool = False) -> Outcome:
+        """Record that the claim ``token`` of a job started its task (or, ``received``,
+        that its message was received whole)."""
+        return outcome_of(self.run("start", *start_call(k, job_id, token, received)), "start")
 
     def ack(self, k: QueueKeys, claims: Sequence[tuple[str, str]]) -> list[Outcome]:
         """Delete finished jobs, each named by its claim (id, token); one outcome each."""

@@ -42,9 +42,6 @@ logger = logging.getLogger(__name__)
 
 #: How long a nudge no wait popped stays (see :meth:`Consuming._nudge`).
 NUDGE_TTL_MS = 60_000
-#: How long a consumer whose every queue waits on a suspect's start waits
-#: before it looks again (see :meth:`Consuming._wait_out_suspect`).
-SUSPECT_WAIT_S = 0.1
 
 
 class Consuming(StoreChannel):
@@ -85,6 +82,7 @@ class Consuming(StoreChannel):
         if not claimed:
             return None
         payload, tag = claimed[0]
+        self._received(tag)  # handed over: the caller decodes it
         if no_ack:
             self._settle(tag)
         message = self.Message(payload, channel=self)
@@ -97,6 +95,7 @@ class Consuming(StoreChannel):
         if not claimed:
             raise Empty()
         payload, tag = claimed[0]
+        self._received(tag)  # handed over: kombu decodes it
         if self._no_ack.get(queue, False):
             self._settle(tag)
         return payload
@@ -107,18 +106,6 @@ class Consuming(StoreChannel):
         queues = self._queue_cycle.consume(len(self.active_queues))
         if not queues:
             return
-        if self._passed_suspect:
-            if keeper().suspects.awaited():
-                # A queue whose claim passed over a suspect this process may
-                # not take yet is left out of the wait (its markers could only
-                # be given back, and popped again), until the suspect held
-                # starts: the other queues are waited on as usual.
-                queues = [q for q in queues if q not in self._passed_suspect]
-                if not queues:
-                    self._wait_out_suspect(timeout)
-                    return
-            else:
-                self._passed_suspect.clear()
         wake_keys = [self.store.keys(q).wake for q in queues]
         soon_keys = [self.store.keys(q).soon for q in queues] + [self._nudge_key]
         for q, key, soon in zip(queues, wake_keys, soon_keys[:-1], strict=True):
@@ -158,18 +145,9 @@ class Consuming(StoreChannel):
     def _wait_timeout_s(self) -> float:
         """How long the next wait may block: until the next scan is due, within bounds.
 
-        While a queue is left out of the wait for a suspect's start, no longer
-        than the suspect counts as one. Never 0 (a BRPOP that would block for ever).
+        Never 0 (a BRPOP that would block for ever).
         """
-        wait_s = min(self._next_scan_at - monotonic(), self._idle_wait_s)
-        if self._passed_suspect:
-            wait_s = min(wait_s, keeper().suspects.hold_s())
-        return max(0.01, wait_s)
-
-    def _suspect_cleared(self) -> None:
-        """The suspect this process held started or was settled: wait on every queue again."""
-        if self._passed_suspect:
-            self._nudge()
+        return max(0.01, min(self._next_scan_at - monotonic(), self._idle_wait_s))
 
     @property
     def _idle_wait_s(self) -> float:
@@ -185,21 +163,6 @@ class Consuming(StoreChannel):
         if self.health_check_interval:
             wait = min(wait, float(self.brpop_timeout or 1) + self.health_check_interval / 2)
         return max(wait, 0.05)
-
-    def _wait_out_suspect(self, timeout: float | None) -> None:
-        """Wait a moment on this channel's nudge list: every queue waits on a suspect's start.
-
-        Each queue's claim passed over a suspect this process may not take
-        while the one it holds has not started; their markers cannot be
-        claimed by it. The wait is short (a suspect starts within moments of
-        its claim when a pool process is free), and the consumer's connection
-        still waits, so kombu's loop goes on reading fanout (remote control,
-        gossip, events); the queues are waited on again once it started.
-        """
-        wait_s = min(SUSPECT_WAIT_S, float(timeout or 1))
-        self._in_poll = self.client.connection
-        self._brpop_sent_at = monotonic()
-        self.client.connection.send_command("BRPOP", self._nudge_key, f"{wait_s:.3f}")
 
     def _brpop_reply(self, **options: Any) -> str | None:
         """Read the pending BRPOP reply; return the queue whose marker was popped."""
@@ -302,9 +265,10 @@ class Consuming(StoreChannel):
         claimed = self._claim(queue, count, held)
         delivered = 0
         try:
-            for payload, _tag in claimed:
+            for payload, tag in claimed:
                 self.connection._deliver(payload, queue)
                 delivered += 1
+                self._received(tag)
         except BaseException:
             # The delivery that raised may not have reached the QoS; the rest
             # surely did not. Both go back now, not when their leases lapse.
@@ -321,25 +285,14 @@ class Consuming(StoreChannel):
         """Claim up to ``count`` jobs; return each decodable one's payload and delivery tag.
 
         A job that lapsed before its task started (a suspect) may kill this
-        process while it is received. This process holds at most one such
-        claim that has not started (see
-        :meth:`~celery_emq.transport.suspects.Suspects.hold`), and
-        takes other jobs beside it: should it die before the suspect starts,
-        the sweep blames the suspect alone and forgives the rest (sweep.lua).
-        A suspect it may not take keeps its place in line; its queue is left
-        out of the waits until the one held starts.
+        process as it is received. A claim takes at most one, beside any other
+        jobs; until its delivery returns (the worker received it whole, see
+        :meth:`_received`), it is the suspect of this process's claims: should
+        the process die meanwhile, the sweep blames it alone and forgives the
+        rest (sweep.lua).
         """
         ttl_ms = self._queue_ttl.get(queue, 0)
-        claimed = self.store.claim(
-            queue,
-            self.owner,
-            count,
-            held=held,
-            ttl_ms=ttl_ms,
-            take_suspect=not keeper().suspects.awaited(),
-        )
-        if claimed.passed_suspect:
-            self._passed_suspect.add(queue)
+        claimed = self.store.claim(queue, self.owner, count, held=held, ttl_ms=ttl_ms)
         if not claimed:
             return []
         tags = keeper().hold(
@@ -349,10 +302,9 @@ class Consuming(StoreChannel):
             self.emq.renew_interval_ms,
         )
         suspects = [tag for job, tag in zip(claimed, tags, strict=True) if job.suspect]
-        for tag in suspects:
-            # The keeper renews its lease, so no lapse of it frees this
-            # process: one lease after its claim does.
-            keeper().suspects.hold(tag, self.emq.lease_ms / 1000, self._suspect_cleared)
+        for job, tag in zip(claimed, tags, strict=True):
+            if job.suspect:
+                self._unreceived[tag] = (queue, job.id, job.token)
         out = []
         try:
             if suspects:
@@ -370,6 +322,23 @@ class Consuming(StoreChannel):
             self._release_all(tags)
             raise
         return out
+
+    def _received(self, tag: str) -> None:
+        """A delivery reached the worker whole: if it was a suspect, say so to the store.
+
+        The worker decoded it as it received it, so it is no message that kills
+        its worker before its task starts; its lapses are forgotten, and the
+        blame with them. One round trip per suspect (suspects come only from
+        crashes). Should the record fail, the sweep may still blame it if this
+        process dies before its task starts.
+        """
+        claim = self._unreceived.pop(tag, None)
+        if claim is None:
+            return
+        try:
+            self.store.receive(*claim)
+        except self.connection_errors:
+            logger.debug("celery_emq: could not record that %s was received", tag, exc_info=True)
 
     def _decode(self, queue: str, job: Claimed, tag: str) -> dict[str, Any] | None:
         """Turn a claimed job into a kombu message; dead-letter what cannot be."""

@@ -28,7 +28,6 @@ from celery_emq.transport.claims import (
     worker_identity,
 )
 from celery_emq.transport.process import host
-from celery_emq.transport.suspects import Suspects
 
 if TYPE_CHECKING:
     from celery_emq.store.jobstore import JobStore
@@ -97,8 +96,6 @@ class LeaseKeeper:
         # their task, though this worker had not heard of it (when): see
         # let_go_of_orphans.
         self._unseen: dict[str, float] = {}
-        #: The suspect this process holds, if its task has not started.
-        self.suspects = Suspects(self._live)
         self._interval_ms: int | None = None
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -146,14 +143,7 @@ class LeaseKeeper:
         with self._lock:
             self._lost.discard(tag)
             self._owed.discard(tag)
-            held = self._held.pop(tag, None)
-        self.suspects.forget(tag)
-        return held
-
-    def _live(self, tag: str) -> bool:
-        """Whether ``tag`` names a claim this process holds and has not found lost."""
-        with self._lock:
-            return tag in self._held and tag not in self._lost
+            return self._held.pop(tag, None)
 
     def owe_acks(self, claims: list[Claim]) -> None:
         """Hold finished claims whose ack failed; ack them again on every pass.

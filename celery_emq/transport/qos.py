@@ -47,10 +47,7 @@ class QoS(kombu_redis.QoS):
         Every claim costs a round trip (two after an idle wait), so a prefork
         or solo worker whose pool is busy tops up its prefetch in batches: it
         claims again once half its prefetch is free. It does not wait while a
-        pool process may idle (see :meth:`Host.claim_at_once`). (While this
-        process holds a suspect that has not started, the channel waits on no
-        wake list and claims nothing, but the consumer goes on reading
-        everything else: see ``Consuming._brpop_start``.)
+        pool process may idle (see :meth:`Host.claim_at_once`).
         """
         pcount = self.prefetch_count
         if not pcount:

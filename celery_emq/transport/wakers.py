@@ -25,8 +25,6 @@ from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
 from celery_emq.transport.channel import Channel
-from celery_emq.transport.consuming import SUSPECT_WAIT_S
-from celery_emq.transport.lease import keeper
 
 __all__ = ["RETRY_S", "WakeClient", "WakeConnection", "Waker", "WakingChannel"]
 
@@ -240,13 +238,7 @@ class WakingChannel(Channel):
     def _wake_groups(self) -> dict[int, dict[str, str]]:
         """The wake and soon lists of the active queues, by slot (key -> queue)."""
         groups: dict[int, dict[str, str]] = {}
-        if self._passed_suspect and not keeper().suspects.awaited():
-            self._passed_suspect.clear()
         for q in self.active_queues:
-            if q in self._passed_suspect:
-                # Its claim passed over a suspect this process may not take
-                # yet: a marker popped could only go back (see Consuming._claim).
-                continue
             keys = self.store.keys(q)
             group = groups.setdefault(key_slot(keys.wake.encode()), {})
             group[keys.wake] = q
@@ -276,15 +268,6 @@ class WakingChannel(Channel):
         groups = self._wake_groups()
         self._retire_wakers(groups)
         if not groups:
-            if self._passed_suspect:
-                # Every queue waits on the start of the suspect this process
-                # holds: no waker is armed, the loop goes on reading fanout,
-                # and looks again in a moment, as the single-server wait does.
-                self._in_poll = self.client.connection
-                self._brpop_sent_at = monotonic()
-                timer = threading.Timer(SUSPECT_WAIT_S, self._signal)
-                timer.daemon = True
-                timer.start()
             return
         for slot, keys in groups.items():
             if slot not in self._wakers:

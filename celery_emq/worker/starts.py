@@ -56,7 +56,6 @@ def note_accepted(request: Any) -> None:
     claim = keeper().get(tag)
     if claim is not None:
         batcher().start(claim)
-        keeper().suspects.started(tag)
 
 
 def record_start(sender: Any = None, task: Any = None, **kwargs: Any) -> None:
@@ -82,9 +81,6 @@ def record_start(sender: Any = None, task: Any = None, **kwargs: Any) -> None:
             exc_info=True,
         )
         return
-    # Recorded: a suspect no longer holds claims back (unrecorded, it goes on
-    # doing so, for one lease at most).
-    keeper().suspects.started(tag)
 
 
 def ack_success(sender: Any = None, **kwargs: Any) -> None:

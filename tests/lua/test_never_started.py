@@ -7,6 +7,7 @@ import json
 import redis
 
 from celery_emq.store.jobstore import JobStore
+from celery_emq.store.outcomes import Outcome
 from tests.conftest import bulk_start
 
 T0 = 1000
@@ -246,3 +247,29 @@ def test_another_owners_suspect_shields_no_one_else(store: JobStore) -> None:
         "a": ("recovered", 1, "0"),
         "b": ("requeued", 0, "1"),
     }
+
+
+def test_a_suspect_received_whole_shields_no_neighbour(store: JobStore) -> None:
+    # Its consumer received it whole: it did not kill the worker as it was
+    # received, so a later death is an ordinary crash. The task that started
+    # beside it (a task that kills its own process, say) is charged its stall.
+    enqueue(store, "q", ["p", "run"])
+    suspect(store, "q", "p")
+    claimed = {c.id: c for c in store.claim("q", "w1", count=10, now_ms=T0)}
+    assert store.receive("q", "p", claimed["p"].token) is Outcome.OK
+    assert "lapsed" not in store.job("q", "p")
+    bulk_start(store, "q", [("run", claimed["run"].token)])
+    outcomes = lapse_all(store, "q", T0 + store.lease_ms + 1)
+    assert outcomes == {"p": ("requeued", 0, "1"), "run": ("recovered", 1, "0")}
+
+
+def test_a_receive_of_a_stale_claim_is_fenced(store: JobStore) -> None:
+    enqueue(store, "q", ["p"])
+    suspect(store, "q", "p")
+    [old] = store.claim("q", "w1", now_ms=T0)
+    store.reap("q", now_ms=T0 + store.lease_ms + 1)
+    [new] = store.claim("q", "w2", now_ms=T0 + store.lease_ms + 2)
+    assert store.receive("q", "p", old.token) is Outcome.FENCED
+    assert store.job("q", "p")["lapsed"] == "2"
+    assert store.receive("q", "p", new.token) is Outcome.OK
+    assert "started" not in store.job("q", "p")

@@ -28,13 +28,13 @@
   With lanes, claims rotate one job at a time over the default lane and each
   group's lane (in name order), so no group can starve another.
   Suspects: a job whose lease lapsed before its task started (`lapsed` on its row)
-  may be a message that kills its worker before the task starts. A caller takes at
-  most one at a time (one per call, and none while it holds one not yet started);
-  a suspect it may not take stays where it is, in its place, and the claim takes
-  the jobs behind it (at most LOOK suspects are passed over per call). A suspect
-  handed out is noted in `<base>suspects` (owner -> id and claim id): should its
-  owner die before the suspect starts, the sweep blames it alone, and forgives the
-  owner's other claims of this queue (sweep.lua).
+  may be a message that kills its worker as it is received. A call takes at most one
+  (none if the caller says it may not); a suspect it may not take stays where it is,
+  in its place, and the claim takes the jobs behind it (at most LOOK suspects are
+  passed over per call). A suspect handed out is noted in `<base>suspects` (owner ->
+  id and claim id): should its owner die before its consumer received it whole
+  (start.lua, received), the sweep blames it alone, and forgives the owner's other
+  claims of this queue (sweep.lua).
 ]]
 local pending, active, wake, seq, head = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local lanes, cursor, expires, base = KEYS[6], KEYS[7], KEYS[8], KEYS[9]

@@ -7,16 +7,21 @@
   the claim as started during a rolling upgrade. The start itself is fenced by the
   claim id: the count a lost claim leaves is reused only after that claim (and
   any start of it) is lost, and the worker of the lost claim cannot start the new one.
+  Received: with ARGV[2] 'received', the claim's message was received whole by its
+  consumer (decoded, handed to the worker) and nothing else is recorded: a suspect so
+  received is no message that kills its worker before its task starts, so its
+  `lapsed` count is cleared, and with it the suspect's blame (sweep.lua).
   KEYS[1] job       <p>:{q}:job:<id> (HASH)
   KEYS[2] fenced    <p>:{q}:metrics:fenced (HASH, fields count and reason:<verb>)
   ARGV[1] token     the claim's id
+  ARGV[2] what      'started' (the default) or 'received'
   Returns 0 OK, 1 NOT_FOUND (no row, or not active), 5 FENCED (another claim holds
   it; counted, reason:start).
 ]]
 -- A counter ends this long after its last change (30 days).
 local COUNTER_TTL_MS = 2592000000
 local job, fenced = KEYS[1], KEYS[2]
-local token = ARGV[1]
+local token, what = ARGV[1], ARGV[2] or 'started'
 
 
 local row = redis.call('HMGET', job, 'state', 'deliveries', 'claim')
@@ -31,6 +36,8 @@ if live ~= token then
   redis.call('PEXPIRE', fenced, COUNTER_TTL_MS)
   return 5
 end
-redis.call('HSET', job, 'started', row[2])
+if what ~= 'received' then
+  redis.call('HSET', job, 'started', row[2])
+end
 redis.call('HDEL', job, 'lapsed')
 return 0

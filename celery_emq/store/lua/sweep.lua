@@ -70,8 +70,9 @@
   starts) the job is doomed, reason never_started (outcome doomed).
   A charged claim has started.
   Blame: a claim handed out as a suspect is noted in `<base>suspects` (owner -> id and
-  claim id, claim.lua). When a lapsed claim's owner held a suspect of this queue whose
-  task never started under that claim, the owner died of it (or may have): the
+  claim id, claim.lua). When a lapsed claim's owner held a suspect of this queue that
+  its consumer had not yet received whole under that claim (start.lua: received), the
+  owner died of it (or may have): the
   suspect's lapse is counted, and the owner's other lapsed claims of this queue,
   started or not, are requeued uncounted (outcome requeued, no stall, no lapse).
   Counters: metrics:stalled and :recovered count each recovery in field `count` and
@@ -182,10 +183,12 @@ local function suspect_of(holder)
     local note = redis.call('HGET', suspects, holder)
     if note then
       local sid, sclaim = string.match(note, '^(%S+) (%S+)$')
-      local srow = sid and redis.call('HMGET', base .. 'job:' .. sid, 'claim', 'started', 'owner')
-      -- Not started under that claim: `started` holds neither its count nor its id.
+      local srow = sid and redis.call('HMGET', base .. 'job:' .. sid, 'claim', 'started', 'owner',
+        'lapsed')
+      -- Neither received whole nor started under that claim (either clears `lapsed`;
+      -- `started` holds neither its count nor its id).
       if srow and srow[1] == sclaim and srow[2] ~= sclaim and srow[2] ~= string.match(sclaim, '^%d+')
-          and srow[3] == holder then
+          and srow[3] == holder and tonumber(srow[4] or '0') > 0 then
         found = sid
       else
         redis.call('HDEL', suspects, holder)
