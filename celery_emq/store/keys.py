@@ -113,7 +113,7 @@ JOB_FIELDS: tuple[str, ...] = (
     "doomed",  # the claim id a sweep found past its budget, until retire.lua settles it
     "lapsed",  # lapses before its task started (a suspect: claimed alone; capped by max_lapsed)
     "owner",  # worker identity holding the lease while active
-    "enqueued_ms",  # first publish time
+    "enqueued_ms",  # publish time (a retry from the morgue resets it to the retry's)
     "claimed_ms",  # time of the latest claim
     "group",  # fair-lane group, when the job was published with one
     "max_stalled",  # the job's own stall budget, when it has one (-1: never)
