@@ -24,9 +24,11 @@ key                             type    content                           ends
 ``<p>:{q}:delayed``             ZSET    jobs whose ETA is still ahead;    with its last job
                                         score = ETA (ms); promoted to
                                         pending once due
-``<p>:{q}:etas``                HASH    Celery task id -> job id of       with its last delayed job
-                                        delayed jobs (a revoke promotes
-                                        the job at once)
+``<p>:{q}:etas``                HASH    Celery task id -> the space-      with its last delayed job
+                                        separated ids of its delayed      (each job's id leaves its
+                                        jobs (a revoke promotes them at   field when it is promoted
+                                        once; a caller may give one       or purged; the field goes
+                                        task id to several)               with its last id)
 ``<p>:{q}:wake``                LIST    one marker per job made           deleted when nothing is
                                         claimable; consumers block on it  pending (claim, sweep)
                                         with BRPOP, then claim
