@@ -54,10 +54,14 @@ def _warn_near_misses(topts: Mapping[str, Any], ours: list[str]) -> None:
             )
 
 
-def _int(topts: Mapping[str, Any], name: str, default: int, low: int, high: int) -> int:
+def _int(
+    topts: Mapping[str, Any], name: str, default: int, low: int, high: int, bound: str = ""
+) -> int:
+    """Read an integer option from ``low`` to ``high``; ``bound`` says what set a bound."""
     value = topts.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise InvalidOptionError(name, value, f"an integer from {low} to {high}")
+        why = f" ({bound})" if bound else ""
+        raise InvalidOptionError(name, value, f"an integer from {low} to {high}{why}")
     return value
 
 
@@ -147,7 +151,13 @@ class EmqOptions:
         lease_ms = _int(topts, "lease_ms", cls.lease_ms, 500, 86_400_000)
         renew_default = max(lease_ms // 3, 100)
         renew_interval_ms = _int(
-            topts, "renew_interval_ms", renew_default, 100, max(lease_ms // 2 - 1, 100)
+            topts,
+            "renew_interval_ms",
+            renew_default,
+            100,
+            max(lease_ms // 2 - 1, 100),
+            f"less than lease_ms / 2, with lease_ms={lease_ms}: a lease is renewed at least "
+            "twice before it lapses",
         )
         claim_batch = _int(topts, "claim_batch", cls.claim_batch, 1, 1000)
         prefix = topts.get("key_prefix", cls.key_prefix)

@@ -28,6 +28,27 @@ from examples._support import clean, running, wait_for, worker  # noqa: E402
 from examples.demo_app import LEASE_MS, PREFIX, REDIS_URL, app  # noqa: E402
 
 results: list[tuple[str, bool, str]] = []
+
+#: Step 4's narration. The poison task kills its process unless a flag is set in
+#: Redis: setting it stands for deploying the fix, which is what to do before a retry.
+RETRY_STEP = (
+    "4. the morgue: `celery -A examples.demo_app emq dead ls`; then the demo sets "
+    f"`{PREFIX}cured:poison` (the task stops crashing, as after a fix is deployed) and "
+    "replays the job with `emq dead retry`"
+)
+
+
+def last_step() -> str:
+    """Step 6's narration: where the job it dead-letters is left."""
+    if os.environ.get("EMQ_PRIVATE_REDIS_STARTED") == "1":
+        return (
+            "6. one more poison task, dead-lettered into the morgue; the private Redis "
+            "stops with the demo, and the job with it (run without EMQ_PRIVATE_REDIS=1 "
+            "to keep it and retry it by hand)"
+        )
+    return "6. one more poison task, left in the morgue for you to look at"
+
+
 client = redis.Redis.from_url(REDIS_URL)
 store = JobStore(client, PREFIX + "emq", LEASE_MS)
 
@@ -124,7 +145,7 @@ def main() -> None:
             alerts[0].decode() if alerts else "no alert",
         )
 
-        say("4. the morgue: `celery -A examples.demo_app emq dead ls`, then retry once cured")
+        say(RETRY_STEP)
         listing = cli("dead", "ls")
         [job] = [j for j in store.client.zrange(store.keys("celery").dead, 0, -1)]
         check(
@@ -149,7 +170,7 @@ def main() -> None:
             f"runs={len(runs('long'))}, its lease renewed by its worker",
         )
 
-        say("6. one more poison task, left in the morgue for you to look at")
+        say(last_step())
         left = app.send_task("examples.demo_app.crash", args=("left",))
         try:
             left.get(timeout=60)
@@ -160,7 +181,8 @@ def main() -> None:
             store.counts("celery")["dead"] == 1,
             f"task {left.id[:8]}... dead after {len(runs('left'))} runs",
         )
-        client.set(f"{PREFIX}cured:left", 1)  # so that retrying it by hand succeeds
+        # Cured (its fix "deployed") so that retrying it by hand succeeds.
+        client.set(f"{PREFIX}cured:left", 1)
         cli("status")
 
     print()
@@ -170,7 +192,10 @@ def main() -> None:
     print(f"\ndemo took {time.monotonic() - t_start:.0f} s")
     if os.environ.get("EMQ_PRIVATE_REDIS_STARTED") != "1":
         env = f"EMQ_DEMO_REDIS_URL={REDIS_URL}"
-        print("\nOne dead job is left in the morgue, cured, so a retry by hand succeeds")
+        print(
+            f"\nOne dead job is left in the morgue, cured ({PREFIX}cured:left is set, as if"
+            " its fix were deployed), so a retry by hand succeeds"
+        )
         print("(the demo's keys are deleted when it runs next):")
         print(f"  {env} .venv/bin/celery -A examples.demo_app emq dead ls")
         print(f"  {env} .venv/bin/celery -A examples.demo_app emq dead retry --all")

@@ -39,3 +39,27 @@ def test_example_runs(name: str, redis_url: str) -> None:
         timeout=180,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("private", [False, True])
+def test_the_demo_says_what_happens_to_the_job_it_leaves(
+    private: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from examples import demo
+
+    monkeypatch.setenv("EMQ_PRIVATE_REDIS_STARTED", "1" if private else "0")
+    step = demo.last_step()
+    if private:
+        # A private Redis stops with the script: nothing is left to look at.
+        assert "left in the morgue" not in step
+        assert "stops with the demo" in step
+    else:
+        assert step == "6. one more poison task, left in the morgue for you to look at"
+
+
+def test_the_demo_explains_what_cured_means() -> None:
+    from examples import demo
+
+    assert "once cured" not in demo.RETRY_STEP
+    # The cure is a flag the task reads, standing for a fix deployed before a retry.
+    assert "cured:poison" in demo.RETRY_STEP and "fix" in demo.RETRY_STEP

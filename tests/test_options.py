@@ -139,3 +139,13 @@ def test_a_long_sweep_interval_warns_once(caplog: pytest.LogCaptureFixture) -> N
         for _ in range(5):
             EmqOptions.from_transport_options({"lease_ms": 5001, "sweep_interval_s": 5})
     assert [r.getMessage().count("sweep_interval_s=5") for r in caplog.records] == [1]
+
+
+def test_a_bound_set_by_another_option_names_it() -> None:
+    with pytest.raises(InvalidOptionError) as info:
+        EmqOptions.from_transport_options({"lease_ms": 3000, "renew_interval_ms": 2000})
+    assert str(info.value) == (
+        "invalid transport option renew_interval_ms=2000: expected an integer from 100 to 1499 "
+        "(less than lease_ms / 2, with lease_ms=3000: a lease is renewed at least twice "
+        "before it lapses)"
+    )

@@ -389,6 +389,10 @@ class JobStore(Reads, Registry):
         """Return a wake marker a consumer popped but did not claim for (if still due)."""
         return self.scripts.give_back(self.keys(queue))
 
+    def budget(self, queue: str, job_id: str, max_stalled: int) -> bool:
+        """Write a task's own stall budget (-1: none) on a job's row, never re-creating it."""
+        return self.scripts.budget(self.keys(queue), job_id, max_stalled)
+
     def purge(self, queue: str) -> int:
         """Delete every waiting job of the queue (pending and delayed); return how many."""
         total = 0

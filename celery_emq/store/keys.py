@@ -24,9 +24,11 @@ key                             type    content                           ends
 ``<p>:{q}:delayed``             ZSET    jobs whose ETA is still ahead;    with its last job
                                         score = ETA (ms); promoted to
                                         pending once due
-``<p>:{q}:etas``                HASH    Celery task id -> job id of       with its last delayed job
-                                        delayed jobs (a revoke promotes
-                                        the job at once)
+``<p>:{q}:etas``                HASH    Celery task id -> the space-      with its last delayed job
+                                        separated ids of its delayed      (each job's id leaves its
+                                        jobs (a revoke promotes them at   field when it is promoted
+                                        once; a caller may give one       or purged; the field goes
+                                        task id to several)               with its last id)
 ``<p>:{q}:wake``                LIST    one marker per job made           deleted when nothing is
                                         claimable; consumers block on it  pending (claim, sweep)
                                         with BRPOP, then claim
@@ -115,7 +117,7 @@ JOB_FIELDS: tuple[str, ...] = (
     "doomed",  # the claim id a sweep found past its budget, until retire.lua settles it
     "lapsed",  # lapses before its task started (a suspect: claimed alone; capped by max_lapsed)
     "owner",  # worker identity holding the lease while active
-    "enqueued_ms",  # first publish time
+    "enqueued_ms",  # publish time (a retry from the morgue resets it to the retry's)
     "claimed_ms",  # time of the latest claim
     "group",  # fair-lane group, when the job was published with one
     "max_stalled",  # the job's own stall budget, when it has one (-1: never)

@@ -30,6 +30,7 @@ SCRIPT_NAMES: tuple[str, ...] = (
     "purge_dead",
     "retire",
     "give_back",
+    "budget",
     "promote",
     "tally",
     "oldest",

@@ -404,6 +404,10 @@ class Scripts(Loaded):
         """Return a popped wake marker while the queue has claimable jobs."""
         return bool(self.run("give_back", [k.wake, k.pending, k.lanes], []))
 
+    def budget(self, k: QueueKeys, job_id: str, max_stalled: int) -> bool:
+        """Write a task's own stall budget on an existing job row; False when it is gone."""
+        return bool(self.run("budget", [k.job(job_id)], [max_stalled]))
+
     def purge_dead(
         self, k: QueueKeys, job_ids: Sequence[str], whole: bool = False
     ) -> tuple[int, list[str]]:

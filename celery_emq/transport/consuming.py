@@ -381,4 +381,4 @@ class Consuming(StoreChannel):
             own = self._budgets[task_name] = UNSET if raw is UNSET else budget(raw)
         if own is not UNSET:
             value = -1 if own is None else own
-            self.store.client.hset(self.store.keys(queue).job(job_id), "max_stalled", value)
+            self.store.budget(queue, job_id, value)

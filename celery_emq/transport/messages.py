@@ -88,6 +88,10 @@ def new_job(message: dict[str, Any], priority: int) -> tuple[NewJob, bool]:
     task_id = headers.get("id") if due_ms is not None else None
     # The delivery tag and job id are the key's: not stored twice.
     stored = {**message, "properties": {k: v for k, v in props.items() if k not in KEYED}}
+    if copied_counts(headers):
+        stored["headers"] = {
+            k: v for k, v in headers.items() if k not in (STALLED_HEADER, DELIVERIES_HEADER)
+        }
     job = NewJob(
         job_id,
         dumps(stored).encode(),
@@ -98,6 +102,19 @@ def new_job(message: dict[str, Any], priority: int) -> tuple[NewJob, bool]:
         task_id if isinstance(task_id, str) else "",
     )
     return job, "task" in headers
+
+
+def copied_counts(headers: dict[str, Any]) -> bool:
+    """Whether a message is a Celery retry carrying the counts of the delivery that retried.
+
+    Celery's retry copies a request's custom headers into the new message: the
+    ``emq_stalled``/``emq_deliveries`` a redelivery added say nothing of the new
+    job. Any other message keeps headers of those names as its publisher gave them.
+    """
+    if "task" not in headers or not (STALLED_HEADER in headers or DELIVERIES_HEADER in headers):
+        return False
+    retries = headers.get("retries")
+    return isinstance(retries, int) and not isinstance(retries, bool) and retries > 0
 
 
 def mark_delivery(payload: dict[str, Any], job: Claimed, tag: str) -> None:
@@ -114,10 +131,9 @@ def mark_delivery(payload: dict[str, Any], job: Claimed, tag: str) -> None:
         headers[STALLED_HEADER] = job.stalled
         headers[DELIVERIES_HEADER] = job.deliveries
         props.setdefault("delivery_info", {})["redelivered"] = True
-    else:
-        # A header copied from an earlier message (a retry) says nothing of this job.
-        headers.pop(STALLED_HEADER, None)
-        headers.pop(DELIVERIES_HEADER, None)
+    # A first delivery keeps the headers as published, a publisher's own
+    # emq_stalled/emq_deliveries included (a Celery retry's copies were dropped
+    # when it was published: copied_counts).
 
 
 def eta_ms(eta: Any) -> int | None:

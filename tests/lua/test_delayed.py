@@ -158,3 +158,44 @@ def test_a_soon_marker_no_consumer_pops_has_an_end(store: JobStore, client: redi
     assert 0 < client.pttl(k.soon) <= 60_000
     store.purge("q")
     assert client.exists(k.soon) == 0
+
+
+def test_delayed_jobs_sharing_a_task_id_are_each_revoked(
+    store: JobStore, client: redis.Redis
+) -> None:
+    # A caller may give one task_id to two delayed publishes (or publish a batch
+    # holding it twice): the revoke index keeps both, and a revoke reaches both.
+    k = store.keys("q")
+    store.enqueue("q", "a", b"{}", eta_ms=10**13, task_id="t", now_ms=1000)
+    assert store.enqueue_many("q", [NewJob("b", b"{}", 0, None, "", 10**13, "t")], now_ms=1000)
+    store.enqueue("q", "c", b"{}", eta_ms=10**13, task_id="t", now_ms=1000)
+    assert store.promote_tasks("q", ["t"]) == 3
+    assert store.counts("q")["delayed"] == 0
+    assert sorted((j.id, j.revoked) for j in store.claim("q", "w", count=3)) == [
+        ("a", True),
+        ("b", True),
+        ("c", True),
+    ]
+    assert not client.exists(k.etas)
+
+
+def test_a_promotion_by_eta_leaves_the_other_jobs_of_its_task_id_revocable(
+    store: JobStore, client: redis.Redis
+) -> None:
+    k = store.keys("q")
+    store.enqueue("q", "a", b"{}", eta_ms=5000, task_id="t", now_ms=1000)
+    store.enqueue("q", "b", b"{}", eta_ms=10**13, task_id="t", now_ms=1000)
+    store.enqueue("q", "c", b"{}", eta_ms=10**13, task_id="t", now_ms=1000)
+    assert store.promote("q", now_ms=5000) == 1
+    assert store.promote_tasks("q", ["t"]) == 2
+    assert store.counts("q") == {"pending": 3, "active": 0, "delayed": 0, "dead": 0}
+    assert not client.exists(k.etas)
+    # And by the sweep's promotion, and a purge of what is still delayed.
+    store.enqueue("q", "d", b"{}", eta_ms=5000, task_id="u", now_ms=1000)
+    store.enqueue("q", "e", b"{}", eta_ms=10**13, task_id="u", now_ms=1000)
+    store.enqueue("q", "f", b"{}", eta_ms=10**13, task_id="v", now_ms=1000)
+    store.sweep("q", 1, now_ms=6000)
+    assert store.promote_tasks("q", ["u"]) == 1
+    store.enqueue("q", "g", b"{}", eta_ms=10**13, task_id="v", now_ms=1000)
+    assert store.purge("q") == 7  # a to e pending, f and g delayed
+    assert not client.exists(k.etas)

@@ -87,6 +87,7 @@ CALLS: dict[str, tuple[Call, int]] = {
     "purge_dead": (lambda s, k: s.purge_dead(k, ["a", "b"]), 2),
     "retire": (lambda s, k: s.retire(k, "id", True, 1), 0),
     "give_back": (lambda s, k: s.give_back(k), 0),
+    "budget": (lambda s, k: s.budget(k, "id", 3), 0),
     "promote": (lambda s, k: s.promote(k, 1, 10, ["t1", "t2"]), 2),
     "tally": (lambda s, k: s.tally(k, 0, 10, True), 0),
     "oldest": (lambda s, k: s.oldest(k, 0, 10, 0, 10), 0),

@@ -836,3 +836,26 @@ def test_a_queue_consumed_during_the_idle_wait_is_waited_on_at_once(
         publish(other, q2, ["reply"])
     consume_until(conn, got, 1, 4)
     assert got == ["reply"]
+
+
+OWN_EMQ_HEADERS = {"emq_stalled": "publisher's", "emq_deliveries": 41}
+
+
+def test_a_publishers_own_emq_named_headers_come_back_as_published(connect: ConnFactory) -> None:
+    conn, q = connect(), queue()
+    headers = {**PUBLISHED_HEADERS, **OWN_EMQ_HEADERS}
+    publish(conn, q, ["x"], headers=dict(headers))
+    [(_, message)] = drain(conn, q, 1)
+    assert message.headers == headers
+
+
+def test_a_celery_retry_drops_the_counts_it_copied_from_a_redelivered_request(
+    connect: ConnFactory,
+) -> None:
+    # Celery's retry copies a request's custom headers: the counts of the delivery
+    # that retried say nothing of the new message, which starts at its first delivery.
+    conn, q = connect(), queue()
+    task = {"task": "proj.t", "id": "t-1", "retries": 1, "x-trace": "t-1"}
+    publish(conn, q, ["x"], headers={**task, **OWN_EMQ_HEADERS})
+    [(_, message)] = drain(conn, q, 1)
+    assert message.headers == task

@@ -135,3 +135,28 @@ def test_celerys_host_reads_the_current_apps_task_and_celerys_revokes(
     monkeypatch.setitem(sys.modules, "celery.worker.state", SimpleNamespace(revoked=revoked))
     host.revoked("t9")
     assert revoked == {"t9"}
+
+
+class Deleting(Knowing):
+    """A host whose answer comes after the job's row is gone (purged, trimmed, expired)."""
+
+    def __init__(self, client: redis.Redis, row: str) -> None:
+        super().__init__({"proj.three": 3})
+        self.client, self.row = client, row
+
+    def task_budget(self, task_name: str) -> object:
+        self.client.delete(self.row)
+        return super().task_budget(task_name)
+
+
+def test_a_task_budget_never_recreates_a_row_deleted_before_it_is_written(
+    connect: ConnFactory, store: JobStore, client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    publish_task(connect, "proj.three", "t1")
+    [job_id] = [raw.decode() for raw in client.zrange(store.keys("q").pending, 0, -1)]
+    row = store.keys("q").job(job_id)
+    monkeypatch.setattr(process, "_host", Deleting(client, row))
+    with connect() as conn:
+        conn.channel().basic_get("q")
+    # A plain HSET would leave a row of one field and no TTL, for ever.
+    assert client.exists(row) == 0

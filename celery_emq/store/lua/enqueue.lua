@@ -8,7 +8,7 @@
   KEYS[7] base      <p>:{q}: (lane keys g:<group>:pending and soon derive from it)
   KEYS[8] msg       <p>:{q}:msg:<id> (STRING, the stored message)
   KEYS[9] delayed   <p>:{q}:delayed (ZSET, score = ETA ms)
-  KEYS[10] etas     <p>:{q}:etas (HASH, Celery task id -> job id of delayed jobs)
+  KEYS[10] etas     <p>:{q}:etas (HASH, Celery task id -> its delayed jobs' ids)
   ARGV[1] id        job id (the message's delivery tag)
   ARGV[2] message   the stored message (see celery_emq/codec.py)
   ARGV[3] priority  0..9, lower is claimed first
@@ -54,12 +54,18 @@ end
 if group ~= '' then
   redis.call('HSET', job, 'group', group)
 end
+-- The revoke index holds, per Celery task id, the space-separated ids of its delayed jobs
+-- (a caller may give one task id to several).
+local function index_eta(etas, task, id)
+  local ids = redis.call('HGET', etas, task)
+  redis.call('HSET', etas, task, ids and (ids .. ' ' .. id) or id)
+end
 if eta_ms and eta_ms > now_ms then
   -- Not due yet: promoted into its queue or lane by promote.lua once it is.
   redis.call('HSET', job, 'state', 'delayed', 'eta_ms', eta_ms)
   if task_id ~= '' then
     redis.call('HSET', job, 'task', task_id)
-    redis.call('HSET', etas, task_id, id)
+    index_eta(etas, task_id, id)
   end
   local first = redis.call('ZRANGE', delayed, 0, 0, 'WITHSCORES')
   if (not first[2] or eta_ms < tonumber(first[2])) and redis.call('EXISTS', base .. 'soon') == 0 then

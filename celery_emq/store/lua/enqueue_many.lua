@@ -6,7 +6,7 @@
   KEYS[5] expires   <p>:{q}:expires (STRING, present while an x-expires queue is in use)
   KEYS[6] base      <p>:{q}: (job rows, messages, lane keys and soon derive from it)
   KEYS[7] delayed   <p>:{q}:delayed (ZSET, score = ETA ms)
-  KEYS[8] etas      <p>:{q}:etas (HASH, Celery task id -> job id of delayed jobs)
+  KEYS[8] etas      <p>:{q}:etas (HASH, Celery task id -> its delayed jobs' ids)
   ARGV[1] now_ms    '' takes the Redis server's clock
   ARGV[2] ttl_ms    > 0 for an x-expires queue: a publish is a use, so the queue lives on
   ARGV[3..] seven items per job, in publish order: id, message, priority (0..9),
@@ -54,6 +54,13 @@ local function send(command, key, args)
   end
 end
 
+-- The revoke index holds, per Celery task id, the space-separated ids of its delayed jobs
+-- (a caller may give one task id to several).
+local function index_eta(etas, task, id)
+  local ids = redis.call('HGET', etas, task)
+  redis.call('HSET', etas, task, ids and (ids .. ' ' .. id) or id)
+end
+
 local n = tonumber(redis.call('GET', seq) or '0')
 local first_n = n
 local codes = {}
@@ -87,7 +94,7 @@ for i = 3, #ARGV, 7 do
       row[#row + 1], row[#row + 2] = 'eta_ms', eta_ms
       if task_id ~= '' then
         row[#row + 1], row[#row + 2] = 'task', task_id
-        redis.call('HSET', etas, task_id, id)
+        index_eta(etas, task_id, id)
       end
       redis.call('HSET', job, unpack(row))
       redis.call('ZADD', delayed, eta_ms, id)

@@ -4,7 +4,7 @@
   KEYS[3] seq       <p>:{q}:seq (STRING, tail sequence)
   KEYS[4] lanes     <p>:{q}:lanes (ZSET of groups with a lane)
   KEYS[5] delayed   <p>:{q}:delayed (ZSET, score = ETA ms)
-  KEYS[6] etas      <p>:{q}:etas (HASH, Celery task id -> job id of delayed jobs)
+  KEYS[6] etas      <p>:{q}:etas (HASH, Celery task id -> its delayed jobs' ids)
   KEYS[7] base      <p>:{q}: (job rows and lane keys derive from it)
   ARGV[1] now_ms    '' takes the Redis server's clock
   ARGV[2] limit     most due jobs promoted by this call
@@ -22,13 +22,39 @@ local limit, now_arg = tonumber(ARGV[2]), ARGV[1]
 
 local BAND = 1099511627776
 
+-- The revoke index holds, per Celery task id, the space-separated ids of its delayed jobs:
+-- one leaving the delayed set leaves the index; the others stay revocable.
+local function unindex_eta(etas, task, id)
+  local ids = redis.call('HGET', etas, task)
+  if not ids then
+    return
+  end
+  local kept = {}
+  for other in string.gmatch(ids, '%S+') do
+    if other ~= id then
+      kept[#kept + 1] = other
+    end
+  end
+  if #kept == 0 then
+    redis.call('HDEL', etas, task)
+  else
+    redis.call('HSET', etas, task, table.concat(kept, ' '))
+  end
+end
+
 local ids = {}
 local now_ms
 for i = 3, #ARGV do
-  local id = redis.call('HGET', etas, ARGV[i])
-  if id and redis.call('ZSCORE', delayed, id) then
-    redis.call('HSET', base .. 'job:' .. id, 'revoked', 1)
-    ids[#ids + 1] = id
+  -- Every delayed job of the task id goes now: the whole entry leaves the index.
+  local listed = redis.call('HGET', etas, ARGV[i])
+  if listed then
+    for id in string.gmatch(listed, '%S+') do
+      if redis.call('ZSCORE', delayed, id) then
+        redis.call('HSET', base .. 'job:' .. id, 'revoked', 1)
+        ids[#ids + 1] = id
+      end
+    end
+    redis.call('HDEL', etas, ARGV[i])
   end
 end
 -- An idle consumer runs this after each wait: with nothing delayed, it reads no clock.
@@ -49,7 +75,7 @@ for _, id in ipairs(ids) do
     local job = base .. 'job:' .. id
     local row = redis.call('HMGET', job, 'priority', 'group', 'task')
     if row[3] then
-      redis.call('HDEL', etas, row[3])
+      unindex_eta(etas, row[3], id)
     end
     local lane = pending
     if row[2] and row[2] ~= '' then

@@ -10,7 +10,7 @@
   KEYS[7] expires   <p>:{q}:expires (STRING, present while an x-expires queue is in use)
   KEYS[8] base      <p>:{q}: (job rows and lane keys derive from it)
   KEYS[9] delayed   <p>:{q}:delayed (ZSET of jobs not yet due)
-  KEYS[10] etas     <p>:{q}:etas (HASH, Celery task id -> job id of delayed jobs)
+  KEYS[10] etas     <p>:{q}:etas (HASH, Celery task id -> its delayed jobs' ids)
   ARGV[1] limit     most jobs to delete in this call
   ARGV[2] expired   1: only if the queue expired (its expires key is gone)
   ARGV[3..] counters  with `expired`, the names of the queue's counters (metrics:<name>; a few)
@@ -48,6 +48,25 @@ while n < limit do
     redis.call('ZREM', lanes, group)
   end
 end
+-- The revoke index holds, per Celery task id, the space-separated ids of its delayed jobs:
+-- one leaving the delayed set leaves the index; the others stay revocable.
+local function unindex_eta(etas, task, id)
+  local ids = redis.call('HGET', etas, task)
+  if not ids then
+    return
+  end
+  local kept = {}
+  for other in string.gmatch(ids, '%S+') do
+    if other ~= id then
+      kept[#kept + 1] = other
+    end
+  end
+  if #kept == 0 then
+    redis.call('HDEL', etas, task)
+  else
+    redis.call('HSET', etas, task, table.concat(kept, ' '))
+  end
+end
 local claimable = n
 if n < limit then
   local popped = redis.call('ZPOPMIN', delayed, limit - n)
@@ -55,7 +74,7 @@ if n < limit then
     local job = base .. 'job:' .. popped[i]
     local task = redis.call('HGET', job, 'task')
     if task then
-      redis.call('HDEL', etas, task)
+      unindex_eta(etas, task, popped[i])
     end
     redis.call('DEL', job, base .. 'msg:' .. popped[i])
     n = n + 1

@@ -1,6 +1,8 @@
 --[[ retry: bring dead jobs back from the morgue to the front of their queue or lane.
   The job starts a fresh budget: its stall count and its lapses before a start
-  (`lapsed`) are reset; the history of stalls is kept.
+  (`lapsed`) are reset; the history of stalls is kept. Its `enqueued_ms` becomes the
+  retry's time, so a week-old job retried does not make the queue's oldest pending
+  age jump to a week (nor fire a backlog alert).
   KEYS[1] dead      <p>:{q}:dead (ZSET)
   KEYS[2] pending   <p>:{q}:pending (ZSET, the default lane)
   KEYS[3] wake      <p>:{q}:wake (LIST)
@@ -56,7 +58,8 @@ for i = FIRST, #ARGV do
       redis.call('ZADD', lanes, 0, row[3])
     end
     redis.call('ZADD', lane, tonumber(row[2] or '0') * BAND - n, id)
-    redis.call('HSET', job, 'state', 'pending', 'stalled', 0, 'owner', '', 'retried_ms', now_ms)
+    redis.call('HSET', job, 'state', 'pending', 'stalled', 0, 'owner', '', 'retried_ms', now_ms,
+      'enqueued_ms', now_ms)
     redis.call('HDEL', job, 'died_ms', 'lapsed')
     redis.call('LPUSH', wake, 1)
     redis.call('HINCRBY', base .. 'metrics:retried', 'count', 1)

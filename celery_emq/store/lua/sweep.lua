@@ -145,6 +145,25 @@ local function front(i, priority)
 end
 -- Lanes a sweep looks at for a claimable job when the wake list is empty.
 local LANES_LOOKED = 8
+-- The revoke index holds, per Celery task id, the space-separated ids of its delayed jobs:
+-- one leaving the delayed set leaves the index; the others stay revocable.
+local function unindex_eta(etas, task, id)
+  local ids = redis.call('HGET', etas, task)
+  if not ids then
+    return
+  end
+  local kept = {}
+  for other in string.gmatch(ids, '%S+') do
+    if other ~= id then
+      kept[#kept + 1] = other
+    end
+  end
+  if #kept == 0 then
+    redis.call('HDEL', etas, task)
+  else
+    redis.call('HSET', etas, task, table.concat(kept, ' '))
+  end
+end
 local out = {}
 local delayed = base .. 'delayed'
 if not charge and redis.call('EXISTS', delayed) == 1 then
@@ -155,7 +174,7 @@ if not charge and redis.call('EXISTS', delayed) == 1 then
     local job = base .. 'job:' .. id
     local row = redis.call('HMGET', job, 'priority', 'group', 'task')
     if row[3] then
-      redis.call('HDEL', etas, row[3])
+      unindex_eta(etas, row[3], id)
     end
     local lane = pending
     if row[2] and row[2] ~= '' then
