@@ -232,8 +232,8 @@ def _act(
         except UnknownJobError as exc:
             if as_json:
                 key = "jobs" if dry_run else {"retry": "retried", "purge": "purged"}[verb]
-                empty: Any = 0 if key == "purged" else []
-                click.echo(json.dumps({key: empty, "missing": exc.missing, **_dry(dry_run)}))
+                done_: Any = len(exc.done) if key == "purged" else exc.done
+                click.echo(json.dumps({key: done_, "missing": exc.missing, **_dry(dry_run)}))
             raise click.ClickException(str(exc)) from None
     if dry_run:
         emit(

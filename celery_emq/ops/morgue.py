@@ -19,8 +19,11 @@ dead jobs in about 0.2 s).
 
 Nothing is acted on by accident: every id given must name a dead job, or
 :class:`~celery_emq.errors.UnknownJobError` names those that do not and
-nothing changes; an empty list acts on nothing; and a call with neither ids
-nor a filter (``queue`` alone is not a filter) needs ``all=True``.
+nothing changes (a job that leaves the morgue after that check, in another
+operator's call or a retention trim, is named in the error's ``missing`` and
+every other id is acted on, listed in its ``done``, for any number of ids);
+an empty list acts on nothing; and a call with neither ids nor a filter
+(``queue`` alone is not a filter) needs ``all=True``.
 """
 
 from __future__ import annotations
@@ -238,20 +241,21 @@ class Morgue:
         raises :class:`~celery_emq.errors.UnknownJobError` and retries
         nothing). Returns the ids retried.
         """
-        whole = job_ids is not None
         retried: list[str] = []
+        missing: list[str] = []
         for queue, ids in self._targets(self.select(job_ids, all=all, **filters)).items():
             for start in range(0, len(ids), 100):
                 chunk = ids[start : start + 100]
                 t0 = time.monotonic()
-                done = self.store.retry(queue, chunk, whole=whole)
-                if whole and not done:
-                    raise UnknownJobError(self.find(chunk, queue)[1], queue, retried)
+                done, absent = self.store.retry_each(queue, chunk)
                 retried += done
+                missing += absent
                 if rate_per_s:
                     pause = len(chunk) / rate_per_s - (time.monotonic() - t0)
                     if pause > 0 and start + 100 < len(ids):
                         time.sleep(pause)
+        if missing and job_ids is not None:
+            raise UnknownJobError(missing, filters.get("queue"), retried)
         return retried
 
     def purge(
@@ -271,15 +275,15 @@ class Morgue:
         """
         if older_than_s is not None:
             filters["until_ms"] = self.store.server_ms() - int(older_than_s * 1000)
-        whole = job_ids is not None
-        n = 0
         done: list[str] = []
+        missing: list[str] = []
         for queue, ids in self._targets(self.select(job_ids, all=all, **filters)).items():
-            deleted = self.store.purge_dead(queue, ids, whole=whole)
-            if whole and not deleted:
-                raise UnknownJobError(self.find(ids, queue)[1], queue, done)
-            n += deleted
-            done += ids
+            absent = self.store.purge_each(queue, ids)
+            missing += absent
+            done += [i for i in ids if i not in set(absent)]
+        if missing and job_ids is not None:
+            raise UnknownJobError(missing, filters.get("queue"), done)
+        n = len(done)
         return n
 
     @staticmethod
