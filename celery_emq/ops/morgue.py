@@ -204,7 +204,7 @@ class Morgue:
             filters: as :meth:`ls`.
 
         Raises:
-            UnknownJobError: an id names no dead job.
+            UnknownJobError: an id, or the ``task_id`` filter, names no dead job.
             ValueError: neither ids nor a filter without ``all``, or ids with
                 ``all`` or a filter.
         """
@@ -215,7 +215,11 @@ class Morgue:
                     "name job ids, give a filter, or pass all=True to act on every dead job"
                     + (f" of queue {filters['queue']!r}" if filters.get("queue") else "")
                 )
-            return self.ls(**filters)
+            jobs = self.ls(**filters)
+            if not jobs and filters.get("task_id") is not None:
+                # A task id names one job, as a job id does: naming none is an error.
+                raise UnknownJobError([filters["task_id"]], filters.get("queue"))
+            return jobs
         if isinstance(job_ids, str):
             raise TypeError("job_ids is a list of ids, not one id")
         if all or chosen:
