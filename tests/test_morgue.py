@@ -310,3 +310,52 @@ def test_a_job_gone_mid_call_past_one_chunk_is_named_and_the_rest_acted_on(
     assert raised.value.done == rest
     assert store.counts("celery")["dead"] == 0
     assert store.counts("celery")["pending"] == (n - 1 if verb == "retry" else 0)
+
+
+def test_ls_with_a_limit_reads_only_the_rows_it_shows(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 300 dead jobs in two queues, deaths interleaved: the 5 oldest come from both.
+    for i in range(150):
+        for q, off in (("celery", 0), ("other", 1)):
+            job_id = f"{q}-{i:04d}"
+            store.enqueue(q, job_id, b"{not json")
+            store.bury(q, job_id, 0, "malformed", "JSONDecodeError", now_ms=10_000 + 2 * i + off)
+    store.register("celery")
+    store.register("other")
+    morgue = Morgue(store)
+    everything = [j.id for j in morgue.ls()]
+    assert len(everything) == 300
+    rows: list[int] = []
+    ranged: list[int] = []
+    real_read, real_zrange = morgue._read, store.client.zrange
+
+    def read(queue: str, ids: list[str]) -> Any:
+        rows.append(len(ids))
+        return real_read(queue, ids)
+
+    def zrange(*args: Any, **kwargs: Any) -> Any:
+        found = real_zrange(*args, **kwargs)
+        ranged.append(len(found))
+        return found
+
+    monkeypatch.setattr(morgue, "_read", read)
+    monkeypatch.setattr(store.client, "zrange", zrange)
+    shown = [j.id for j in morgue.ls(limit=5)]
+    assert (
+        shown
+        == everything[:5]
+        == [
+            "celery-0000",
+            "other-0000",
+            "celery-0001",
+            "other-0001",
+            "celery-0002",
+        ]
+    )
+    assert sum(rows) == 5  # today: every one of the 300 rows
+    assert sum(ranged) <= 2 * 5  # at most `limit` ids from each queue's morgue
+    rows.clear()
+    ranged.clear()
+    assert [j.id for j in morgue.ls(limit=3, since_ms=10_100)] == everything[100:103]
+    assert sum(rows) == 3 and sum(ranged) <= 2 * 3

@@ -28,6 +28,8 @@ an empty list acts on nothing; and a call with neither ids nor a filter
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
 import time
 from collections.abc import Iterator, Sequence
@@ -133,9 +135,26 @@ class Morgue:
             until_ms: died at or before this time.
             limit: at most this many.
         """
+        # Every queue's morgue is read in order of death, a page at a time, and merged:
+        # with a limit and no filter on the rows, that is `limit` ids from each queue
+        # and `limit` rows, whatever the morgue holds.
+        sifted = task is not None or task_id is not None or reason is not None
+        page = PAGE if sifted or limit is None else max(1, min(PAGE, limit))
+        order = heapq.merge(
+            *(self._ids(q, since_ms, until_ms, page) for q in self.queues(queue)),
+            key=lambda entry: entry[0],
+        )
         found: list[DeadJob] = []
-        for q in self.queues(queue):
-            for job in self._scan(q, since_ms, until_ms):
+        while limit is None or len(found) < limit:
+            batch = list(itertools.islice(order, page))
+            if not batch:
+                break
+            by_queue: dict[str, list[str]] = {}
+            for _score, q, job_id in batch:
+                by_queue.setdefault(q, []).append(job_id)
+            read = {(j.queue, j.id): j for q, ids in by_queue.items() for j in self._read(q, ids)}
+            for _score, q, job_id in batch:
+                job = read[(q, job_id)]
                 if task is not None and job.task_name != task:
                     continue
                 if task_id is not None and job.task_id != task_id:
@@ -143,7 +162,6 @@ class Morgue:
                 if reason is not None and reason not in (job.reason, job.last_error):
                     continue
                 found.append(job)
-        found.sort(key=lambda j: j.died_ms)
         return found[:limit] if limit is not None else found
 
     def show(self, ident: str, queue: str | None = None) -> DeadJob | None:
@@ -296,6 +314,25 @@ class Morgue:
         for job in jobs:
             targets.setdefault(job.queue, []).append(job.id)
         return targets
+
+    def _ids(
+        self, queue: str, since_ms: int | None, until_ms: int | None, page: int
+    ) -> Iterator[tuple[float, str, str]]:
+        """Yield ``(died_ms, queue, id)`` of a queue's dead jobs in order of death,
+        reading ``page`` ids per round trip, only as far as the caller goes."""
+        key = self.store.keys(queue).dead
+        low = "-inf" if since_ms is None else since_ms
+        high = "+inf" if until_ms is None else until_ms
+        offset = 0
+        while True:
+            entries = self.store.client.zrange(
+                key, low, high, byscore=True, offset=offset, num=page, withscores=True
+            )
+            for job_id, score in entries:
+                yield score, queue, job_id.decode()
+            if len(entries) < page:
+                return
+            offset += page
 
     def _scan(self, queue: str, since_ms: int | None, until_ms: int | None) -> Iterator[DeadJob]:
         key = self.store.keys(queue).dead
