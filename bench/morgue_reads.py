@@ -1,4 +1,4 @@
-"""Morgue reads benchmark: what ``emq dead ls --limit 5`` and ``dead show`` cost as the morgue grows.
+"""Morgue reads benchmark: what ``dead ls --limit 5`` and ``dead show`` cost as the morgue grows.
 
 Buries ``--small`` and then ``--large`` dead jobs (400 and 40,000 by default) spread over
 ``--queues`` queues under a private key prefix of the Redis you name, and times the reads
@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import add_redis_options, scan_delete
 from celery_emq.ops.morgue import Morgue
-from celery_emq.store.jobstore import JobStore
 from celery_emq.store.calls import time_arg
+from celery_emq.store.jobstore import JobStore
 
 BODY = json.dumps([[1], {}, {}]).encode()
 
@@ -46,8 +46,10 @@ def bury_many(store: JobStore, queues: list[str], n: int) -> str:
                 job_id = f"j{i:06d}"
                 store.scripts.enqueue(k, job_id, BODY, 0, None, client=pipe)
                 bury(
-                    keys=[k.active, k.pending, k.wake, k.dead, k.job(job_id)]
-                    + [k.metrics("failed"), k.base],
+                    keys=[
+                        *(k.active, k.pending, k.wake, k.dead, k.job(job_id)),
+                        *(k.metrics("failed"), k.base),
+                    ],
                     args=[job_id, "0", "malformed", "bench", time_arg(1_000_000 + i)],
                     client=pipe,
                 )
