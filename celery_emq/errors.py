@@ -167,9 +167,10 @@ class UnknownJobError(EmqError, LookupError):
     """Ids given to the morgue name no dead job; nothing was changed.
 
     ``missing`` holds those ids, in the order given. Ids are checked before
-    anything moves; only a job that leaves the morgue in between (another
-    retry or purge) can stop a call half way, and then ``done`` holds the ids
-    already acted on.
+    anything moves; a job that leaves the morgue in between (another retry or
+    purge, a retention trim) is not acted on, every other id of the call is,
+    and ``done`` holds those (a partial result: ``missing`` names every id
+    not acted on).
     """
 
     def __init__(
@@ -179,9 +180,7 @@ class UnknownJobError(EmqError, LookupError):
         self.queue = queue
         self.done = list(done)
         where = f"queue {queue!r}" if queue else "any queue's morgue"
-        changed = (
-            f"only {len(self.done)} job(s) before it were acted on" if done else "nothing changed"
-        )
+        changed = f"the other {len(self.done)} job(s) were acted on" if done else "nothing changed"
         super().__init__(
             f"no dead job with job id or Celery task id {', '.join(map(repr, self.missing))} "
             f"in {where}; {changed}"

@@ -77,7 +77,7 @@ def test_a_whole_queue_or_morgue_takes_all(
         assert done.exit_code != 0
         assert "--all" in done.output
     assert snapshot(client, prefix) == before
-    done = run(app, "dead", verb, "--queue", "other", "--all", "--json")
+    done = run(app, "dead", verb, "--queue", "other", "--all", "--json", "-f")
     assert done.exit_code == 0, done.output
     remaining = json.loads(run(app, "dead", "ls", "--json").stdout)["jobs"]
     assert [j["id"] for j in remaining] == [dead["a"]]
@@ -126,3 +126,30 @@ def test_known_ids_act_on_those_only(app: Celery, store: JobStore, dead: dict[st
     purged = run(app, "dead", "purge", dead["b"], "--json")
     assert json.loads(purged.stdout) == {"purged": 1, "missing": []}
     assert store.counts("celery")["pending"] == 1 and store.counts("other")["dead"] == 0
+
+
+@pytest.mark.parametrize("how", [["--all"], ["--reason", "stalled"], ["--queue", "other", "--all"]])
+def test_purge_without_a_terminal_refuses_unless_forced(
+    app: Celery, client: redis.Redis, prefix: str, dead: dict[str, str], how: list[str]
+) -> None:
+    # `... | tee log` is no terminal: a bulk purge there is refused, as `celery purge` asks.
+    before = snapshot(client, prefix)
+    refused = run(app, "dead", "purge", *how)
+    assert refused.exit_code == 1, refused.output
+    assert "-f" in refused.output and "no terminal" in refused.output
+    assert "purged" not in refused.output
+    assert snapshot(client, prefix) == before
+    forced = run(app, "dead", "purge", *how, "-f")
+    assert forced.exit_code == 0, forced.output
+    assert snapshot(client, prefix) != before
+
+
+@pytest.mark.parametrize("verb", ["retry", "purge"])
+def test_an_unknown_task_id_fails_like_an_unknown_job_id(
+    app: Celery, client: redis.Redis, prefix: str, dead: dict[str, str], verb: str
+) -> None:
+    before = snapshot(client, prefix)
+    done = run(app, "dead", verb, "--task-id", "nosuch", "-f")
+    assert done.exit_code == 1, done.output
+    assert "'nosuch'" in done.output
+    assert snapshot(client, prefix) == before

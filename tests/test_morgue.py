@@ -278,5 +278,84 @@ def test_a_job_gone_between_lookup_and_script_stops_its_queue_only(
     with pytest.raises(UnknownJobError) as raised:
         morgue.retry([a, b])
     assert (raised.value.missing, raised.value.done) == ([b], [a])
-    assert "only 1 job(s) before it were acted on" in str(raised.value)
+    assert "the other 1 job(s) were acted on" in str(raised.value)
     assert store.counts("celery")["pending"] == 1
+
+
+def bury_many(store: JobStore, n: int, queue: str = "celery") -> list[str]:
+    ids = [f"j{i:05d}" for i in range(n)]
+    for i, job_id in enumerate(ids):
+        store.enqueue(queue, job_id, b"{not json")
+        store.bury(queue, job_id, 0, "malformed", "JSONDecodeError", now_ms=10_000 + i)
+    store.register(queue)
+    return ids
+
+
+@pytest.mark.parametrize(("verb", "n"), [("purge", 600), ("retry", 150)])
+def test_a_job_gone_mid_call_past_one_chunk_is_named_and_the_rest_acted_on(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch, verb: str, n: int
+) -> None:
+    # Purge sends 500 ids a script call, retry 100: the vanished id sits in the first
+    # chunk, so a call that stopped at it, or hid it, leaves jobs of later chunks.
+    ids = bury_many(store, n)
+    morgue = Morgue(store)
+    selected = morgue.select(ids)
+    gone = ids[3]
+    store.purge_dead("celery", [gone])  # a retention trim or another operator
+    monkeypatch.setattr(morgue, "select", lambda *args, **kwargs: selected)
+    with pytest.raises(UnknownJobError) as raised:
+        getattr(morgue, verb)(ids, **({"rate_per_s": None} if verb == "retry" else {}))
+    rest = [i for i in ids if i != gone]
+    assert raised.value.missing == [gone]
+    assert raised.value.done == rest
+    assert store.counts("celery")["dead"] == 0
+    assert store.counts("celery")["pending"] == (n - 1 if verb == "retry" else 0)
+
+
+def test_ls_with_a_limit_reads_only_the_rows_it_shows(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 300 dead jobs in two queues, deaths interleaved: the 5 oldest come from both.
+    for i in range(150):
+        for q, off in (("celery", 0), ("other", 1)):
+            job_id = f"{q}-{i:04d}"
+            store.enqueue(q, job_id, b"{not json")
+            store.bury(q, job_id, 0, "malformed", "JSONDecodeError", now_ms=10_000 + 2 * i + off)
+    store.register("celery")
+    store.register("other")
+    morgue = Morgue(store)
+    everything = [j.id for j in morgue.ls()]
+    assert len(everything) == 300
+    rows: list[int] = []
+    ranged: list[int] = []
+    real_read, real_zrange = morgue._read, store.client.zrange
+
+    def read(queue: str, ids: list[str]) -> Any:
+        rows.append(len(ids))
+        return real_read(queue, ids)
+
+    def zrange(*args: Any, **kwargs: Any) -> Any:
+        found = real_zrange(*args, **kwargs)
+        ranged.append(len(found))
+        return found
+
+    monkeypatch.setattr(morgue, "_read", read)
+    monkeypatch.setattr(store.client, "zrange", zrange)
+    shown = [j.id for j in morgue.ls(limit=5)]
+    assert (
+        shown
+        == everything[:5]
+        == [
+            "celery-0000",
+            "other-0000",
+            "celery-0001",
+            "other-0001",
+            "celery-0002",
+        ]
+    )
+    assert sum(rows) == 5  # today: every one of the 300 rows
+    assert sum(ranged) <= 2 * 5  # at most `limit` ids from each queue's morgue
+    rows.clear()
+    ranged.clear()
+    assert [j.id for j in morgue.ls(limit=3, since_ms=10_100)] == everything[100:103]
+    assert sum(rows) == 3 and sum(ranged) <= 2 * 3

@@ -193,8 +193,19 @@ def _interactive() -> bool:
 
 
 def _bulk(verb: str, morgue: Morgue, args: dict[str, Any], all_: bool, force: bool) -> None:
-    """On a terminal, ask before acting on ``--all`` or filters (``-f`` does not ask)."""
-    if force or not _interactive():
+    """On a terminal, ask before acting on ``--all`` or filters (``-f`` does not ask).
+
+    With no terminal to ask (a script, ``| tee log``), a purge is refused unless
+    given ``-f``; a retry, which destroys nothing, goes ahead.
+    """
+    if force:
+        return
+    if not _interactive():
+        if verb == "purge":
+            raise click.ClickException(
+                "refusing to purge dead jobs by --all or filters with no terminal to ask; "
+                "pass -f/--force to purge without asking"
+            )
         return
     n = len(morgue.select(all=all_, **args))
     where = f"queue {args['queue']!r}" if args["queue"] else "every queue"
@@ -232,8 +243,8 @@ def _act(
         except UnknownJobError as exc:
             if as_json:
                 key = "jobs" if dry_run else {"retry": "retried", "purge": "purged"}[verb]
-                empty: Any = 0 if key == "purged" else []
-                click.echo(json.dumps({key: empty, "missing": exc.missing, **_dry(dry_run)}))
+                done_: Any = len(exc.done) if key == "purged" else exc.done
+                click.echo(json.dumps({key: done_, "missing": exc.missing, **_dry(dry_run)}))
             raise click.ClickException(str(exc)) from None
     if dry_run:
         emit(

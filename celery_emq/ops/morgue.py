@@ -19,12 +19,17 @@ dead jobs in about 0.2 s).
 
 Nothing is acted on by accident: every id given must name a dead job, or
 :class:`~celery_emq.errors.UnknownJobError` names those that do not and
-nothing changes; an empty list acts on nothing; and a call with neither ids
-nor a filter (``queue`` alone is not a filter) needs ``all=True``.
+nothing changes (a job that leaves the morgue after that check, in another
+operator's call or a retention trim, is named in the error's ``missing`` and
+every other id is acted on, listed in its ``done``, for any number of ids);
+an empty list acts on nothing; and a call with neither ids nor a filter
+(``queue`` alone is not a filter) needs ``all=True``.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
 import time
 from collections.abc import Iterator, Sequence
@@ -130,9 +135,26 @@ class Morgue:
             until_ms: died at or before this time.
             limit: at most this many.
         """
+        # Every queue's morgue is read in order of death, a page at a time, and merged:
+        # with a limit and no filter on the rows, that is `limit` ids from each queue
+        # and `limit` rows, whatever the morgue holds.
+        sifted = task is not None or task_id is not None or reason is not None
+        page = PAGE if sifted or limit is None else max(1, min(PAGE, limit))
+        order = heapq.merge(
+            *(self._ids(q, since_ms, until_ms, page) for q in self.queues(queue)),
+            key=lambda entry: entry[0],
+        )
         found: list[DeadJob] = []
-        for q in self.queues(queue):
-            for job in self._scan(q, since_ms, until_ms):
+        while limit is None or len(found) < limit:
+            batch = list(itertools.islice(order, page))
+            if not batch:
+                break
+            by_queue: dict[str, list[str]] = {}
+            for _score, q, job_id in batch:
+                by_queue.setdefault(q, []).append(job_id)
+            read = {(j.queue, j.id): j for q, ids in by_queue.items() for j in self._read(q, ids)}
+            for _score, q, job_id in batch:
+                job = read[(q, job_id)]
                 if task is not None and job.task_name != task:
                     continue
                 if task_id is not None and job.task_id != task_id:
@@ -140,7 +162,6 @@ class Morgue:
                 if reason is not None and reason not in (job.reason, job.last_error):
                     continue
                 found.append(job)
-        found.sort(key=lambda j: j.died_ms)
         return found[:limit] if limit is not None else found
 
     def show(self, ident: str, queue: str | None = None) -> DeadJob | None:
@@ -201,7 +222,7 @@ class Morgue:
             filters: as :meth:`ls`.
 
         Raises:
-            UnknownJobError: an id names no dead job.
+            UnknownJobError: an id, or the ``task_id`` filter, names no dead job.
             ValueError: neither ids nor a filter without ``all``, or ids with
                 ``all`` or a filter.
         """
@@ -212,7 +233,11 @@ class Morgue:
                     "name job ids, give a filter, or pass all=True to act on every dead job"
                     + (f" of queue {filters['queue']!r}" if filters.get("queue") else "")
                 )
-            return self.ls(**filters)
+            jobs = self.ls(**filters)
+            if not jobs and filters.get("task_id") is not None:
+                # A task id names one job, as a job id does: naming none is an error.
+                raise UnknownJobError([filters["task_id"]], filters.get("queue"))
+            return jobs
         if isinstance(job_ids, str):
             raise TypeError("job_ids is a list of ids, not one id")
         if all or chosen:
@@ -238,20 +263,21 @@ class Morgue:
         raises :class:`~celery_emq.errors.UnknownJobError` and retries
         nothing). Returns the ids retried.
         """
-        whole = job_ids is not None
         retried: list[str] = []
+        missing: list[str] = []
         for queue, ids in self._targets(self.select(job_ids, all=all, **filters)).items():
             for start in range(0, len(ids), 100):
                 chunk = ids[start : start + 100]
                 t0 = time.monotonic()
-                done = self.store.retry(queue, chunk, whole=whole)
-                if whole and not done:
-                    raise UnknownJobError(self.find(chunk, queue)[1], queue, retried)
+                done, absent = self.store.retry_each(queue, chunk)
                 retried += done
+                missing += absent
                 if rate_per_s:
                     pause = len(chunk) / rate_per_s - (time.monotonic() - t0)
                     if pause > 0 and start + 100 < len(ids):
                         time.sleep(pause)
+        if missing and job_ids is not None:
+            raise UnknownJobError(missing, filters.get("queue"), retried)
         return retried
 
     def purge(
@@ -271,15 +297,15 @@ class Morgue:
         """
         if older_than_s is not None:
             filters["until_ms"] = self.store.server_ms() - int(older_than_s * 1000)
-        whole = job_ids is not None
-        n = 0
         done: list[str] = []
+        missing: list[str] = []
         for queue, ids in self._targets(self.select(job_ids, all=all, **filters)).items():
-            deleted = self.store.purge_dead(queue, ids, whole=whole)
-            if whole and not deleted:
-                raise UnknownJobError(self.find(ids, queue)[1], queue, done)
-            n += deleted
-            done += ids
+            absent = self.store.purge_each(queue, ids)
+            missing += absent
+            done += [i for i in ids if i not in set(absent)]
+        if missing and job_ids is not None:
+            raise UnknownJobError(missing, filters.get("queue"), done)
+        n = len(done)
         return n
 
     @staticmethod
@@ -288,6 +314,25 @@ class Morgue:
         for job in jobs:
             targets.setdefault(job.queue, []).append(job.id)
         return targets
+
+    def _ids(
+        self, queue: str, since_ms: int | None, until_ms: int | None, page: int
+    ) -> Iterator[tuple[float, str, str]]:
+        """Yield ``(died_ms, queue, id)`` of a queue's dead jobs in order of death,
+        reading ``page`` ids per round trip, only as far as the caller goes."""
+        key = self.store.keys(queue).dead
+        low = "-inf" if since_ms is None else since_ms
+        high = "+inf" if until_ms is None else until_ms
+        offset = 0
+        while True:
+            entries = self.store.client.zrange(
+                key, low, high, byscore=True, offset=offset, num=page, withscores=True
+            )
+            for job_id, score in entries:
+                yield score, queue, job_id.decode()
+            if len(entries) < page:
+                return
+            offset += page
 
     def _scan(self, queue: str, since_ms: int | None, until_ms: int | None) -> Iterator[DeadJob]:
         key = self.store.keys(queue).dead

@@ -385,6 +385,14 @@ class JobStore(Reads, Registry):
         """Delete dead jobs by id; return how many went (``whole``: as :meth:`retry`)."""
         return self.scripts.purge_dead(self.keys(queue), job_ids, whole)[0]
 
+    def retry_each(self, queue: str, job_ids: Sequence[str]) -> tuple[list[str], list[str]]:
+        """Retry every id still dead; return the ids retried and those that were not dead."""
+        return self.scripts.retry(self.keys(queue), None, job_ids)
+
+    def purge_each(self, queue: str, job_ids: Sequence[str]) -> list[str]:
+        """Delete every id still dead; return the ids that were not dead."""
+        return self.scripts.purge_dead(self.keys(queue), job_ids)[1]
+
     def give_back(self, queue: str) -> bool:
         """Return a wake marker a consumer popped but did not claim for (if still due)."""
         return self.scripts.give_back(self.keys(queue))
