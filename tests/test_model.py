@@ -217,7 +217,7 @@ class JobStoreModel(RuleBasedStateMachine):
         return jobs[0] if jobs else None
 
     def _claim_model(
-        self, owner: str, count: int, held: int, take_suspect: bool = True
+        self, owner: str, count: int, held: int, take_suspect: bool = True, here: bool = True
     ) -> list[Claimed]:
         taken: list[Job] = []
         # Suspects passed over: out of their lane until the call ends, then back in place.
@@ -292,7 +292,8 @@ class JobStoreModel(RuleBasedStateMachine):
             )
         for job in taken:
             if job.lapsed:
-                self.suspect_notes[owner] = job.id  # its claim id is read from the answer
+                # Its claim id is read from the answer (see _took).
+                self.suspect_notes[owner] = f"{job.id} ? {int(here)}"
         if not self._in("pending") and not self.lanes:
             self.wake, self.cursor = 0, ""
         else:
@@ -315,7 +316,8 @@ class JobStoreModel(RuleBasedStateMachine):
                 event("a delivery count issued again after lost writes")
             self.jobs[c.id].token = c.token
             if c.suspect:
-                self.suspect_notes[owner] = f"{c.id} {c.token}"
+                here = self.suspect_notes[owner].rpartition(" ")[2]
+                self.suspect_notes[owner] = f"{c.id} {c.token} {here}"
             self.claims.append(Claim(owner, c.id, c.token))
             self.holding[owner].append((c.id, c.token))
 
@@ -538,8 +540,12 @@ class JobStoreModel(RuleBasedStateMachine):
     @precondition(lambda self: self._in("pending"))
     @rule(owner=st.sampled_from(OWNERS), count=COUNTS, run=st.booleans(), take=st.booleans())
     def claim(self, owner: str, count: int, run: bool, take: bool) -> None:
-        expected = self._claim_model(owner, count, held=0, take_suspect=take)
-        claimed = self.store.claim(QUEUE, owner, count, now_ms=self.now, take_suspect=take)
+        # Owner w0 runs its tasks elsewhere (a prefork worker), the others in-process.
+        here = owner != "w0"
+        expected = self._claim_model(owner, count, held=0, take_suspect=take, here=here)
+        claimed = self.store.claim(
+            QUEUE, owner, count, now_ms=self.now, take_suspect=take, runs_here=here
+        )
         self._took(owner, claimed, expected)
         if run:
             self._run(claimed)
@@ -552,9 +558,10 @@ class JobStoreModel(RuleBasedStateMachine):
         # Without a marker the consumer's wait times out and it claims anyway (its scan).
         held = 0 if marker is None else 1
         self._take_marker()
-        expected = self._claim_model(owner, count, held=held, take_suspect=take)
+        here = owner != "w0"
+        expected = self._claim_model(owner, count, held=held, take_suspect=take, here=here)
         claimed = self.store.claim(
-            QUEUE, owner, count, held=held, now_ms=self.now, take_suspect=take
+            QUEUE, owner, count, held=held, now_ms=self.now, take_suspect=take, runs_here=here
         )
         self._took(owner, claimed, expected)
         if run:
@@ -564,8 +571,9 @@ class JobStoreModel(RuleBasedStateMachine):
     @rule(owner=st.sampled_from(OWNERS))
     def claim_beside_a_suspect(self, owner: str) -> None:
         """A worker takes a suspect with the jobs around it, and starts none yet."""
-        expected = self._claim_model(owner, 3, held=0)
-        claimed = self.store.claim(QUEUE, owner, 3, now_ms=self.now)
+        here = owner != "w0"
+        expected = self._claim_model(owner, 3, held=0, here=here)
+        claimed = self.store.claim(QUEUE, owner, 3, now_ms=self.now, runs_here=here)
         self._took(owner, claimed, expected)
 
     # At most two markers go missing at a time, so most wakes still find theirs.
@@ -747,7 +755,7 @@ class JobStoreModel(RuleBasedStateMachine):
         batch = self._lapsed(limit)
         expected: list[Swept] = [Swept(j.id, "promoted", 0, b"") for j in due]
         front: list[Job | None] = []
-        blamed: dict[str, str | None] = {}
+        blamed: dict[str, tuple[str, bool] | None] = {}
         for job in batch:
             if job.owner not in blamed:
                 blamed[job.owner] = self._suspect_of(job.owner)
@@ -770,7 +778,11 @@ class JobStoreModel(RuleBasedStateMachine):
                 event("a doomed job found again by a sweep")
                 expected.append(Swept(job.id, "doomed", job.stalled, pack(job.payload)))
                 front.append(None)
-            elif blamed[job.owner] not in (None, job.id):
+            elif (
+                (blame := blamed[job.owner]) is not None
+                and blame[0] != job.id
+                and (not blame[1] or job.started != str(job.deliveries))
+            ):
                 # Its owner died holding a suspect that never started: forgiven.
                 event("a claim forgiven: its owner held a suspect that never started")
                 expected.append(Swept(job.id, "requeued", job.stalled, b""))
@@ -816,12 +828,12 @@ class JobStoreModel(RuleBasedStateMachine):
         assert self.store.retire(QUEUE, job.id, succeeded, now_ms=self.now) == expected
         self._untouched(before)
 
-    def _suspect_of(self, owner: str) -> str | None:
+    def _suspect_of(self, owner: str) -> tuple[str, bool] | None:
         """The suspect ``owner`` holds unstarted, by its note; a stale note is dropped."""
         note = self.suspect_notes.get(owner)
         if not owner or note is None:
             return None
-        sid, _, claim = note.partition(" ")
+        sid, claim, here = note.split(" ")
         job = self.jobs.get(sid)
         if (
             job is not None
@@ -831,7 +843,7 @@ class JobStoreModel(RuleBasedStateMachine):
             and job.lapsed > 0
             and job.owner == owner
         ):
-            return sid
+            return (sid, here != "0")
         del self.suspect_notes[owner]
         return None
 

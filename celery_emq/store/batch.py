@@ -113,10 +113,10 @@ class Batch:
 
         return self._add([("enqueue_many", keys, args) for keys, args, _n in calls], read)
 
-    def start(self, k: QueueKeys, job_id: str, token: str) -> int:
+    def start(self, k: QueueKeys, job_id: str, token: str, received: bool = False) -> int:
         """Queue :meth:`Scripts.start`; its result is an :class:`Outcome`."""
         return self._add(
-            [("start", *start_call(k, job_id, token))],
+            [("start", *start_call(k, job_id, token, received))],
             lambda replies: outcome_of(replies[0], "start"),
         )
 

@@ -172,6 +172,7 @@ class JobStore(Reads, Registry):
         ttl_ms: int = 0,
         now_ms: int | None = None,
         take_suspect: bool = True,
+        runs_here: bool = True,
     ) -> Claims:
         """Claim up to ``count`` jobs in priority/FIFO order under a lease.
 
@@ -182,9 +183,19 @@ class JobStore(Reads, Registry):
         ``take_suspect``; one it may not take keeps its place while the jobs
         behind it are taken (:attr:`Claims.passed_suspect`). A consumer
         records a suspect received (:meth:`receive`) once it decoded it.
+        ``runs_here``: the caller's tasks run in the claiming process (see
+        sweep.lua's blame).
         """
         return self.scripts.claim(
-            self.keys(queue), now_ms, self.lease_ms, owner, count, held, ttl_ms, take_suspect
+            self.keys(queue),
+            now_ms,
+            self.lease_ms,
+            owner,
+            count,
+            held,
+            ttl_ms,
+            take_suspect,
+            runs_here,
         )
 
     def start(self, queue: str, job_id: str, token: str) -> Outcome:

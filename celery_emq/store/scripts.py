@@ -162,6 +162,7 @@ class Scripts(Loaded):
         held: int = 0,
         ttl_ms: int = 0,
         take_suspect: bool = True,
+        runs_here: bool = True,
     ) -> Claims:
         """Claim up to ``count`` jobs, leasing each to ``owner`` under a fresh claim id.
 
@@ -174,7 +175,17 @@ class Scripts(Loaded):
         reply = self.run(
             "claim",
             [k.pending, k.active, k.wake, k.seq, k.head, k.lanes, k.cursor, k.expires, k.base],
-            [time_arg(now_ms), lease_ms, owner, count, held, ttl_ms, nonce, int(take_suspect)],
+            [
+                time_arg(now_ms),
+                lease_ms,
+                owner,
+                count,
+                held,
+                ttl_ms,
+                nonce,
+                int(take_suspect),
+                int(runs_here),
+            ],
         )
         passed = len(reply) % 6 == 1 and text(reply[-1]) == "suspect"
         if passed:

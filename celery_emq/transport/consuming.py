@@ -292,7 +292,9 @@ class Consuming(StoreChannel):
         rest (sweep.lua).
         """
         ttl_ms = self._queue_ttl.get(queue, 0)
-        claimed = self.store.claim(queue, self.owner, count, held=held, ttl_ms=ttl_ms)
+        claimed = self.store.claim(
+            queue, self.owner, count, held=held, ttl_ms=ttl_ms, runs_here=host().tasks_run_here()
+        )
         if not claimed:
             return []
         tags = keeper().hold(
@@ -302,9 +304,7 @@ class Consuming(StoreChannel):
             self.emq.renew_interval_ms,
         )
         suspects = [tag for job, tag in zip(claimed, tags, strict=True) if job.suspect]
-        for job, tag in zip(claimed, tags, strict=True):
-            if job.suspect:
-                self._unreceived[tag] = (queue, job.id, job.token)
+        self._unreceived.update(suspects)
         out = []
         try:
             if suspects:
@@ -316,11 +316,17 @@ class Consuming(StoreChannel):
                 payload = self._decode(queue, job, tag)
                 if payload is not None:
                     out.append((payload, tag))
+                else:
+                    self._unreceived.discard(tag)  # dead-lettered, not delivered
         except BaseException:
             # The caller gets none of the batch: none of it may stay held. (A
             # claim already dead-lettered is no longer held; releasing it is a no-op.)
+            self._unreceived.difference_update(suspects)
             self._release_all(tags)
             raise
+        # The suspect is delivered first: its record of being received is then
+        # queued before any task of its batch can start in this process.
+        out.sort(key=lambda delivery: delivery[1] not in self._unreceived)
         return out
 
     def _received(self, tag: str) -> None:
@@ -328,16 +334,25 @@ class Consuming(StoreChannel):
 
         The worker decoded it as it received it, so it is no message that kills
         its worker before its task starts; its lapses are forgotten, and the
-        blame with them. One round trip per suspect (suspects come only from
-        crashes). Should the record fail, the sweep may still blame it if this
-        process dies before its task starts.
+        blame with them. The record is sent at once (one round trip per
+        suspect; suspects come only from crashes), and goes before the body of
+        any task delivered after it. Should it not reach Redis, the sweep may
+        still blame the suspect if this process dies before its task starts.
         """
-        claim = self._unreceived.pop(tag, None)
-        if claim is None:
+        if tag not in self._unreceived:
             return
+        self._unreceived.discard(tag)
+        claim = keeper().get(tag)
+        if claim is None:
+            return  # settled already (a no-ack consumer, a message refused)
         try:
-            self.store.receive(*claim)
-        except self.connection_errors:
+            batcher().receive(claim)
+            # Sent now, with whatever waits: a task already running in this
+            # process (threads, gevent, eventlet) that kills it later must not
+            # find the suspect still unreceived, or the suspect would take the
+            # blame, and the killer none.
+            batcher().flush()
+        except Exception:
             logger.debug("celery_emq: could not record that %s was received", tag, exc_info=True)
 
     def _decode(self, queue: str, job: Claimed, tag: str) -> dict[str, Any] | None:

@@ -68,6 +68,13 @@ class Host(Protocol):
     def revoked(self, task_id: str) -> None:
         """``task_id`` was revoked while it waited in the delayed set: discard it when it comes."""
 
+    def tasks_run_here(self) -> bool:
+        """Whether a task this process started runs in it (not in a prefork child).
+
+        Such a task can kill the process that holds its claims: it shares the
+        blame with a suspect whose reception it may have cut short.
+        """
+
 
 class NoHost:
     """A plain kombu consumer: nothing started behind the transport's back, no marks."""
@@ -92,6 +99,9 @@ class NoHost:
 
     def revoked(self, task_id: str) -> None:
         pass
+
+    def tasks_run_here(self) -> bool:
+        return True
 
 
 _host: Host = NoHost()

@@ -74,6 +74,8 @@ class SettleBatcher:
         self._send_lock = threading.Lock()
         self._acks: dict[str, Claim] = {}
         self._starts: dict[str, Claim] = {}
+        #: Suspects their consumer received whole (see :meth:`receive`).
+        self._receipts: dict[str, Claim] = {}
         #: When the queued settles must be sent (monotonic seconds), if any are.
         self._due: float | None = None
         #: Settles taken by a send that has not returned yet.
@@ -99,7 +101,7 @@ class SettleBatcher:
     def queued(self) -> int:
         """Return how many settles wait to be sent, or are being sent."""
         with self._lock:
-            return len(self._acks) + len(self._starts) + self._sending
+            return len(self._acks) + len(self._starts) + len(self._receipts) + self._sending
 
     def ack(self, claims: Sequence[Claim]) -> None:
         """Ack finished claims (already forgotten by the keeper), now or within the delay."""
@@ -114,6 +116,16 @@ class SettleBatcher:
     def start(self, claim: Claim) -> None:
         """Record that a claim's task started, now or within the delay."""
         self._queue("start", [claim])
+
+    def receive(self, claim: Claim) -> None:
+        """Record that a suspect's consumer received it whole, now or within the delay.
+
+        It goes with the next send at the latest, and so before the body of
+        any task that records its start in this process (:meth:`start_now`):
+        a task that kills its process after it starts is not taken for a
+        suspect's early kill (see ``Consuming._received``).
+        """
+        self._queue("receive", [claim])
 
     def start_now(self, claim: Claim) -> None:
         """Record a start before the task's body runs, with every queued settle.
@@ -141,6 +153,13 @@ class SettleBatcher:
                 elif failed is not None:
                     # The send that took this record raised in another thread.
                     raise RuntimeError(f"the send carrying this start failed: {failed!r}")
+                with self._lock:
+                    received = bool(self._receipts)
+                if received:
+                    # A suspect was received while this start was on its way:
+                    # its record goes before this body runs, or a body that
+                    # kills this process would leave the suspect the blame.
+                    self._flush_sending()
         except BaseException:
             with self._lock:
                 # Interrupted before any send took it: no record for a body
@@ -161,10 +180,10 @@ class SettleBatcher:
                 if not claims:
                     return
             # Looked up under the lock: a send takes the queues away and leaves new ones.
-            into = self._acks if kind == "ack" else self._starts
+            into = {"ack": self._acks, "start": self._starts}.get(kind, self._receipts)
             for c in claims:
                 into[delivery_tag(c.job_id, c.token)] = c
-            full = len(self._acks) + len(self._starts) >= SETTLE_BATCH
+            full = len(self._acks) + len(self._starts) + len(self._receipts) >= SETTLE_BATCH
             if delay_ms > 0 and not full:
                 due = time.monotonic() + delay_ms / 1000
                 if self._due is None or due < self._due:
@@ -188,13 +207,14 @@ class SettleBatcher:
         with self._lock:
             acks, self._acks = self._acks, {}
             starts, self._starts = self._starts, {}
+            receipts, self._receipts = self._receipts, {}
             self._due = None
             # Still waiting, as far as queued() is concerned, until sent or owed.
-            self._sending = len(acks) + len(starts)
+            self._sending = len(acks) + len(starts) + len(receipts)
         try:
             # A start goes even when its task's ack goes with it: see _send.
-            if acks or starts:
-                self._send(list(acks.values()), list(starts.values()))
+            if acks or starts or receipts:
+                self._send(list(acks.values()), list(starts.values()), list(receipts.values()))
         except BaseException as exc:
             with self._lock:
                 # Each thread waiting in start_now for one of these raises too.
@@ -205,7 +225,7 @@ class SettleBatcher:
             with self._lock:
                 self._sending = 0
 
-    def _send(self, acks: list[Claim], starts: list[Claim]) -> None:
+    def _send(self, acks: list[Claim], starts: list[Claim], receipts: Sequence[Claim] = ()) -> None:
         """Send the settles of each server (each Cluster master) on its own lane, bounded.
 
         A server that hangs delays only its own settles: the others' go
@@ -221,6 +241,13 @@ class SettleBatcher:
         # failover to a replica that lagged) and with them the ack keeps the
         # start unless it lost both: the job comes back a started claim, and
         # its lapse is a stall, not a lapse before a start.
+        for c in receipts:
+            # Suspects received whole: no answer is waited for (one that fails
+            # leaves the suspect one, and the sweep may blame it).
+            key = (id(c.store), c.store.node_of(c.queue))
+            entry = by_node.setdefault(key, _StoreSend(c.store))
+            entry.batch.start(c.store.keys(c.queue), c.job_id, c.token, received=True)
+            entry.receipts.append(c)
         for c in starts:
             key = (id(c.store), c.store.node_of(c.queue))
             entry = by_node.setdefault(key, _StoreSend(c.store))
@@ -266,7 +293,11 @@ class SettleBatcher:
         confirm = None
         if store.wait_replicas:
             # One WAIT on the connection that carried this store's settles.
-            queue = entry.acks[0][0] if entry.acks else entry.starts[0][0].queue
+            queue = (
+                entry.acks[0][0]
+                if entry.acks
+                else (entry.starts[0][0] if entry.starts else entry.receipts[0]).queue
+            )
             confirm = partial(store.confirm_replicas, queue=queue)
         try:
             entry.batch.execute(confirm=confirm)
@@ -345,6 +376,7 @@ class _StoreSend:
         self.batch: Batch = store.scripts.batch()
         self.acks: list[tuple[str, list[Claim], int]] = []
         self.starts: list[tuple[Claim, int]] = []
+        self.receipts: list[Claim] = []
 
 
 def _owe(queue: str, claims: list[Claim], exc: Exception) -> None:

@@ -87,9 +87,9 @@ class StoreChannel(ChannelCompat, kombu_redis.Channel):
         self._scanned_at = monotonic()
         #: The soon keys the consumer's wait blocks on (as BRPOP may name them).
         self._soon_keys: set[str] = set()
-        #: Suspects claimed and not yet delivered: tag -> (queue, job id, claim id)
-        #: (see ``Consuming._received``).
-        self._unreceived: dict[str, tuple[str, str, str]] = {}
+        #: Delivery tags of suspects claimed and not yet delivered (see
+        #: ``Consuming._received``).
+        self._unreceived: set[str] = set()
         #: When (monotonic) the consumer looks at its queues next: its wait ends then.
         self._next_scan_at = 0.0
         self._nudge_id = uuid.uuid4().hex

@@ -95,6 +95,11 @@ def claim_at_once() -> bool:
     return reserved <= limit
 
 
+def tasks_run_here() -> bool:
+    """Whether tasks run in this process (solo, threads, gevent, eventlet), not in children."""
+    return not hooks.is_prefork(_pool)
+
+
 def install() -> None:
     """Note every delivery handed to the pool; keep written prefork jobs on a reconnect."""
     hooks.wrap_apply_async(submit)

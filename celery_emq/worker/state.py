@@ -151,6 +151,9 @@ class CeleryHost:
     def revoked(self, task_id: str) -> None:
         hooks.remember_revoked(task_id)
 
+    def tasks_run_here(self) -> bool:
+        return pool.tasks_run_here()
+
 
 def attach() -> None:
     """Tell the transport about the Celery worker in this process, once it has one.

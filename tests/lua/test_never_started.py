@@ -119,7 +119,7 @@ def test_a_suspect_is_taken_beside_other_jobs_one_a_call(
     assert client.zrange(k.pending, 0, -1, withscores=True) == [(b"p2", p2_score)]
     # The suspect handed out is noted under its owner, with its claim id.
     [p1] = [c for c in got if c.id == "p1"]
-    assert client.hget(k.base + "suspects", "w1") == f"p1 {p1.token}".encode()
+    assert client.hget(k.base + "suspects", "w1") == f"p1 {p1.token} 1".encode()
     assert 0 < client.pttl(k.base + "suspects") <= 86_400_000
 
 
@@ -206,9 +206,10 @@ def lapse_all(store: JobStore, queue: str, now_ms: int) -> dict[str, tuple[str, 
 
 
 def test_an_owner_that_dies_holding_a_suspect_blames_it_alone(store: JobStore) -> None:
+    # A prefork worker: its tasks run in children, which cannot kill it.
     enqueue(store, "q", ["p", "run", "wait"])
     suspect(store, "q", "p")
-    claimed = {c.id: c for c in store.claim("q", "w1", count=10, now_ms=T0)}
+    claimed = {c.id: c for c in store.claim("q", "w1", count=10, now_ms=T0, runs_here=False)}
     assert claimed["p"].suspect
     # One neighbour started, one did not; the suspect never started: w1 died of it.
     bulk_start(store, "q", [("run", claimed["run"].token)])
@@ -273,3 +274,18 @@ def test_a_receive_of_a_stale_claim_is_fenced(store: JobStore) -> None:
     assert store.job("q", "p")["lapsed"] == "2"
     assert store.receive("q", "p", new.token) is Outcome.OK
     assert "started" not in store.job("q", "p")
+
+
+def test_a_task_started_in_the_process_that_died_shares_the_blame(store: JobStore) -> None:
+    # Threads, gevent, solo: the task that started there may have killed the
+    # process after the suspect came; it is charged as usual, the suspect too.
+    enqueue(store, "q", ["p", "run", "wait"])
+    suspect(store, "q", "p")
+    claimed = {c.id: c for c in store.claim("q", "w1", count=10, now_ms=T0, runs_here=True)}
+    bulk_start(store, "q", [("run", claimed["run"].token)])
+    outcomes = lapse_all(store, "q", T0 + store.lease_ms + 1)
+    assert outcomes == {
+        "p": ("requeued", 0, "2"),
+        "run": ("recovered", 1, "0"),
+        "wait": ("requeued", 0, "0"),
+    }

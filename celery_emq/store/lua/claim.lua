@@ -15,8 +15,9 @@
   ARGV[5] held      wake markers the caller already popped (BRPOP): 0 or 1
   ARGV[6] ttl_ms    > 0 for an x-expires queue: a claim is a use, so the queue lives on
   ARGV[7] nonce     a random value the caller made for this call (never reused)
-  ARGV[8] suspects  1 when the caller may take one suspect (it holds none that has
-                    not started), else 0
+  ARGV[8] suspects  1 when the caller may take one suspect, else 0
+  ARGV[9] here      1 when the caller's tasks run in the process that claims (a task
+                    that kills it shares a suspect's blame: see sweep.lua), else 0
   Returns a flat array: id, message, stalled, deliveries, revoked, suspect, ... per
   claimed job (the message as stored, see celery_emq/codec.py; revoked is 1 for a
   delayed job promoted by a revoke, else 0; suspect is 1 for a job that lapsed before
@@ -32,7 +33,7 @@
   (none if the caller says it may not); a suspect it may not take stays where it is,
   in its place, and the claim takes the jobs behind it (at most LOOK suspects are
   passed over per call). A suspect handed out is noted in `<base>suspects` (owner ->
-  id and claim id): should its owner die before its consumer received it whole
+  id, claim id and `here`): should its owner die before its consumer received it whole
   (start.lua, received), the sweep blames it alone, and forgives the owner's other
   claims of this queue (sweep.lua).
 ]]
@@ -42,6 +43,7 @@ local lease_ms, owner = tonumber(ARGV[2]), ARGV[3]
 local count, held, ttl_ms = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local nonce = ARGV[7]
 local may_take_suspect = ARGV[8] == '1'
+local here = ARGV[9] == '1' and '1' or '0'
 local now_ms = tonumber(ARGV[1])
 if not now_ms then
   local t = redis.call('TIME')
@@ -161,7 +163,7 @@ for i, id in ipairs(ids) do
     redis.call('ZADD', active, now_ms + lease_ms, id)
     if suspect then
       local suspects = base .. 'suspects'
-      redis.call('HSET', suspects, owner, id .. ' ' .. claim)
+      redis.call('HSET', suspects, owner, id .. ' ' .. claim .. ' ' .. here)
       redis.call('PEXPIRE', suspects, SUSPECTS_TTL_MS)
     end
     out[#out + 1] = id

@@ -72,9 +72,11 @@
   Blame: a claim handed out as a suspect is noted in `<base>suspects` (owner -> id and
   claim id, claim.lua). When a lapsed claim's owner held a suspect of this queue that
   its consumer had not yet received whole under that claim (start.lua: received), the
-  owner died of it (or may have): the
-  suspect's lapse is counted, and the owner's other lapsed claims of this queue,
-  started or not, are requeued uncounted (outcome requeued, no stall, no lapse).
+  owner died of it (or may have): the suspect's lapse is counted, and the owner's
+  other lapsed claims of this queue are requeued uncounted (outcome requeued, no
+  stall, no lapse): those not started, and those started if the owner's tasks ran
+  elsewhere (`here` 0, prefork children). A task started in the process itself may
+  have killed it after the suspect came: it is charged as usual.
   Counters: metrics:stalled and :recovered count each recovery in field `count` and
   by its reason in field `reason:<reason>` (a doomed job's, retire.lua counts).
   Budget: stalled <= max_stalled recovers (to the front of its queue or lane),
@@ -201,14 +203,14 @@ local function suspect_of(holder)
     local found = false
     local note = redis.call('HGET', suspects, holder)
     if note then
-      local sid, sclaim = string.match(note, '^(%S+) (%S+)$')
+      local sid, sclaim, shere = string.match(note, '^(%S+) (%S+) ?(%d?)$')
       local srow = sid and redis.call('HMGET', base .. 'job:' .. sid, 'claim', 'started', 'owner',
         'lapsed')
       -- Neither received whole nor started under that claim (either clears `lapsed`;
       -- `started` holds neither its count nor its id).
       if srow and srow[1] == sclaim and srow[2] ~= sclaim and srow[2] ~= string.match(sclaim, '^%d+')
           and srow[3] == holder and tonumber(srow[4] or '0') > 0 then
-        found = sid
+        found = {sid, shere ~= '0'}
       else
         redis.call('HDEL', suspects, holder)
       end
@@ -251,6 +253,10 @@ for i, id in ipairs(ids) do
   elseif examine then
     -- Read before the claim leaves `active`: its owner's suspect may be this job.
     local blamed = not charge and suspect_of(row[2])
+    -- Forgiven beside it: an unstarted claim, or a started one that ran elsewhere (a
+    -- prefork child cannot kill the process that received the suspect).
+    local forgiven = blamed and blamed[1] ~= id
+      and (not blamed[2] or (row[9] ~= row[8] and row[9] ~= token))
     redis.call('ZREM', active, id)
     local lane = pending
     if row[7] and row[7] ~= '' then
@@ -269,7 +275,7 @@ for i, id in ipairs(ids) do
       stalled = tonumber(redis.call('HGET', job, 'stalled') or '0')
       redis.call('ZADD', active, deadline, id)
       outcome = 'doomed'
-    elseif blamed and blamed ~= id then
+    elseif forgiven then
       -- Its owner died holding a suspect that never started: the suspect is blamed,
       -- this claim forgiven (started or not), back at the front uncounted.
       stalled = tonumber(redis.call('HGET', job, 'stalled') or '0')
