@@ -74,6 +74,7 @@ BREAK: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
         billiard.pool.ApplyResult, _no_accepted
     ),
     "AsynPool.flush": lambda mp: mp.delattr(AsynPool, "flush"),
+    "AsynPool.on_partial_read": lambda mp: mp.delattr(AsynPool, "on_partial_read"),
     "threads ApplyResult.f": _replace_init(thread.ApplyResult, _no_future),
     "celery.worker.state.active_requests": lambda mp: mp.delattr(
         celery.worker.state, "active_requests"
@@ -123,7 +124,13 @@ def test_the_check_reads_through_installed_probes(monkeypatch: pytest.MonkeyPatc
     hooks.wrap_apply_async(lambda pool, request, celerys_own: celerys_own())
     hooks.wrap_revoke(lambda app, task_ids: None)
     hooks.keep_started_jobs_on_flush()
-    for probe in (Consumer.on_decode_error, Request.on_failure, AsynPool.flush):
+    hooks.read_acks_before_put_back()
+    for probe in (
+        Consumer.on_decode_error,
+        Request.on_failure,
+        AsynPool.flush,
+        AsynPool.on_partial_read,
+    ):
         assert getattr(probe, "_emq_probe", False)
     assert getattr(Panel.data["revoke"], "_emq_probe", False)
     assert hooks.find_problems() == []
@@ -251,3 +258,36 @@ def test_the_docs_list_every_hook_with_what_it_serves() -> None:
     text = (ROOT / "docs" / "hooks.md").read_text()
     for hook in HOOKS:
         assert f"| `{hook.name}` | {hook.use} | {hook.guarantee} | " in text
+
+
+@pytest.mark.parametrize(("acked", "put_back"), [(True, 0), (False, 1)])
+def test_a_dead_childs_pending_ack_is_read_before_its_job_is_put_back(
+    acked: bool, put_back: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A second child died before the pool read the ACK it sent for its job:
+    # the pool finds the job written to a dead child and "not accepted". With
+    # the ACK read from the child's pipe first, the job is not put back (run a
+    # second time on the same delivery); with no ACK there, it is, as before.
+    monkeypatch.setattr(AsynPool, "on_partial_read", AsynPool.on_partial_read)
+    hooks.read_acks_before_put_back()
+    job = SimpleNamespace(_accepted=False, _writer=lambda: None)
+    proc = SimpleNamespace(dead=True, outq=SimpleNamespace(_reader=SimpleNamespace(closed=False)))
+    calls: dict[str, int] = {"flush": 0, "put_back": 0}
+
+    def flush(p: Any) -> None:
+        assert p is proc
+        calls["flush"] += 1
+        if acked:
+            job._accepted = True  # what reading the ACK does (ApplyResult._ack)
+
+    def back(j: Any) -> None:
+        calls["put_back"] += j is job
+
+    pool = SimpleNamespace(process_flush_queues=flush, _put_back=back, _active_writers=set())
+    AsynPool.on_partial_read(pool, job, proc)
+    assert calls == {"flush": 1, "put_back": put_back}
+    # An accepted job's child is not read again; a closed pipe is not read.
+    AsynPool.on_partial_read(pool, SimpleNamespace(_accepted=True, _writer=lambda: None), proc)
+    proc.outq._reader.closed = True
+    AsynPool.on_partial_read(pool, SimpleNamespace(_accepted=False, _writer=lambda: None), proc)
+    assert calls == {"flush": 1, "put_back": put_back}

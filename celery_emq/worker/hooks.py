@@ -40,6 +40,7 @@ __all__ = [
     "is_solo",
     "job_written",
     "keep_started_jobs_on_flush",
+    "read_acks_before_put_back",
     "remember_revoked",
     "reserved_count",
     "success_was_stored",
@@ -171,6 +172,17 @@ HOOKS: tuple[Hook, ...] = (
             method(_ASYNPOOL, "flush", "self"),
             mentions(f"{_ASYNPOOL}.flush", "_cache"),
             mentions("billiard.pool:Pool", "_cache"),
+        ),
+    ),
+    Hook(
+        "AsynPool.on_partial_read",
+        "wrapped: reads a dead child's pending messages before a job it was written is put back",
+        "a prefork job whose child accepted it and died runs no second time on that delivery "
+        "(charged a stall instead)",
+        all_of(
+            method(_ASYNPOOL, "on_partial_read", "self", "job", "proc"),
+            method(_ASYNPOOL, "process_flush_queues", "self", "proc"),
+            mentions(f"{_ASYNPOOL}.on_partial_read", "_accepted"),
         ),
     ),
     Hook(
@@ -379,6 +391,36 @@ def keep_started_jobs_on_flush() -> None:
                 self._cache.setdefault(key, job)
 
     _install(asynpool, "flush", flush, original)
+
+
+def read_acks_before_put_back() -> None:
+    """Have the prefork pool read a dead child's messages before it puts a job back.
+
+    A child acknowledges a job (billiard's ``ACK``, Celery's ``on_accepted``)
+    before it runs the task. When one child dies, the pool reaps it and then
+    looks at every job: a job written to a second child that has died too but
+    is not reaped yet, whose ``ACK`` is still unread in that child's pipe, is
+    taken as never accepted (``on_partial_read``) and put back for another
+    child, while the pipe holding the ``ACK`` is closed. The task then runs a
+    second time on the same delivery, and that first run is never charged (two
+    poison tasks on two children dying together). Reading the child's pending
+    messages first (Celery's ``process_flush_queues``, as when it reaps a child)
+    lets the ``ACK`` count: the job is not put back, and the worker reports it
+    lost (``WorkerLostError``) once it reaps that child.
+    """
+    asynpool = shapes.find(_ASYNPOOL)
+    original = asynpool.on_partial_read
+    if _ours(original):
+        return
+
+    def on_partial_read(self: Any, job: Any, proc: Any) -> Any:
+        if not job._accepted:
+            reader = getattr(getattr(proc, "outq", None), "_reader", None)
+            if reader is not None and not reader.closed:
+                self.process_flush_queues(proc)
+        return original(self, job, proc)
+
+    _install(asynpool, "on_partial_read", on_partial_read, original)
 
 
 # -- Reading what Celery keeps -----------------------------------------------------------------

@@ -101,6 +101,11 @@ def tasks_run_here() -> bool:
 
 
 def install() -> None:
-    """Note every delivery handed to the pool; keep written prefork jobs on a reconnect."""
+    """Note every delivery handed to the pool; keep written prefork jobs on a reconnect.
+
+    And count a prefork child's ``ACK`` still in its pipe when it died, so the
+    job is reported lost rather than run again on the same delivery.
+    """
     hooks.wrap_apply_async(submit)
     hooks.keep_started_jobs_on_flush()
+    hooks.read_acks_before_put_back()

@@ -270,6 +270,8 @@ def flaky(self: Any, tag: str, fail_times: int) -> int:
 
 def _kill_own_process(self: Any, tag: str) -> None:
     rec().rpush(PREFIX + "stall-header:" + tag, str(getattr(self.request, "emq_stalled", 0)))
+    claim = request_claim(self.request)
+    rec().rpush(PREFIX + "claims:" + tag, f"{claim[1] if claim else '-'} {os.getpid()}")
     note_run(tag)
     os.kill(os.getpid(), signal.SIGKILL)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -15,13 +16,17 @@ import redis
 from celery_emq import StalledJobError
 from celery_emq.store.jobstore import JobStore
 
-from .harness import ROOT, Worker, suite_app, wait_for
+from .harness import ROOT, Worker, run_celery, suite_app, wait_for
 
 pytestmark = pytest.mark.slow
 
 
 def runs(client: redis.Redis, prefix: str) -> dict[str, int]:
     return {k.decode(): int(v) for k, v in client.hgetall(prefix + "runs").items()}
+
+
+def texts(client: redis.Redis, key: str) -> list[str]:
+    return [v.decode() for v in client.lrange(key, 0, -1)]
 
 
 def test_sigkilled_worker_task_restarts_on_a_survivor(
@@ -114,6 +119,46 @@ def test_poison_task_is_dead_lettered_after_its_budget(
     wait_for(
         lambda: store.counts("celery") == {"pending": 0, "active": 0, "delayed": 0, "dead": 1}, 10
     )
+
+
+def test_two_poison_tasks_together_on_prefork_each_run_max_stalled_plus_one_times(
+    start_worker: Callable[..., Worker],
+    capp: Any,
+    client: redis.Redis,
+    prefix: str,
+    e2e_env: dict[str, str],
+) -> None:
+    # Two tasks that kill their pool child, claimed together by a worker whose
+    # two children run them at once: both children die at about the same time.
+    # max_stalled=1: each runs twice, each run charged, then the morgue; and
+    # again after `dead retry --all`.
+    store = JobStore(client, prefix + "emq", 30000)
+    results = {tag: capp.send_task("tests.e2e.app.poison", args=(tag,)) for tag in "ab"}
+    start_worker("-P", "prefork", "-c", "2", EMQ_E2E_MAX_STALLED="1")
+    buried = {"pending": 0, "active": 0, "delayed": 0, "dead": 2}
+    for round_ in (1, 2):
+        if round_ == 2:
+            retried = run_celery(e2e_env, "emq", "dead", "retry", "--all", "--force", "--json")
+            assert retried.returncode == 0, retried.stderr
+            assert len(json.loads(retried.stdout)["retried"]) == 2
+        wait_for(lambda: store.counts("celery") == buried, 60)
+        time.sleep(1)  # nothing may run them again
+        seen = runs(client, prefix)
+        claims = {tag: texts(client, prefix + "claims:" + tag) for tag in "ab"}
+        shown = run_celery(
+            e2e_env, "emq", "dead", "show", "--json", *(r.id for r in results.values())
+        )
+        assert shown.returncode == 0, shown.stderr
+        told = {j["task_id"]: (j["stalled"], j["deliveries"]) for j in json.loads(shown.stdout)}
+        print(f"\nround {round_}: runs {seen}, (stalls, deliveries) {told}, claims {claims}")
+        assert seen == {"a": 2 * round_, "b": 2 * round_}
+        # Every run was under a claim of its own, and each was charged a stall.
+        assert {tag: len(set(c)) for tag, c in claims.items()} == seen
+        assert told == {r.id: (2, 2 * round_) for r in results.values()}
+        signals = {k.decode(): int(v) for k, v in client.hgetall(prefix + "dead-signals").items()}
+        assert signals == {
+            f"tests.e2e.app.poison:{r.id}:worker_lost": round_ for r in results.values()
+        }
 
 
 def test_poison_with_no_budget_keeps_being_recovered(
