@@ -193,7 +193,17 @@ if not charge and redis.call('EXISTS', delayed) == 1 then
     out[#out + 1] = false
   end
 end
--- The suspect each owner held unstarted in this queue (false: none), read once a call.
+-- Back at the front of its queue or lane, pending, uncounted (a lapse before a start,
+-- or a claim forgiven beside a suspect).
+local function requeue(i, id, job, row, lane)
+  if lane ~= pending then
+    redis.call('ZADD', lanes, 0, row[7])
+  end
+  redis.call('ZADD', lane, front(i, row[3]), id)
+  redis.call('HSET', job, 'state', 'pending', 'owner', '', 'reason', reason)
+  redis.call('LPUSH', wake, 1)
+end
+-- The suspect each owner held unreceived in this queue (false: none), read once a call.
 local suspects, held_suspect = base .. 'suspects', {}
 local function suspect_of(holder)
   if not holder or holder == '' then
@@ -276,15 +286,10 @@ for i, id in ipairs(ids) do
       redis.call('ZADD', active, deadline, id)
       outcome = 'doomed'
     elseif forgiven then
-      -- Its owner died holding a suspect that never started: the suspect is blamed,
-      -- this claim forgiven (started or not), back at the front uncounted.
+      -- Its owner died holding a suspect it had not received: the suspect is blamed,
+      -- this claim forgiven, back at the front uncounted.
       stalled = tonumber(redis.call('HGET', job, 'stalled') or '0')
-      if lane ~= pending then
-        redis.call('ZADD', lanes, 0, row[7])
-      end
-      redis.call('ZADD', lane, front(i, row[3]), id)
-      redis.call('HSET', job, 'state', 'pending', 'owner', '', 'reason', reason)
-      redis.call('LPUSH', wake, 1)
+      requeue(i, id, job, row, lane)
       outcome = 'requeued'
     elseif not charge and row[9] ~= row[8] and row[9] ~= token then
       -- Never started under this claim: not the job's fault, so not a stall. Yet a
@@ -299,12 +304,7 @@ for i, id in ipairs(ids) do
         redis.call('ZADD', active, deadline, id)
         outcome = 'doomed'
       else
-        if lane ~= pending then
-          redis.call('ZADD', lanes, 0, row[7])
-        end
-        redis.call('ZADD', lane, front(i, row[3]), id)
-        redis.call('HSET', job, 'state', 'pending', 'owner', '', 'reason', reason)
-        redis.call('LPUSH', wake, 1)
+        requeue(i, id, job, row, lane)
         outcome = 'requeued'
       end
     else
