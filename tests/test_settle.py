@@ -183,13 +183,13 @@ def test_starts_made_while_a_send_is_under_way_go_together_in_the_next(
     sent: list[list[str]] = []
     send = b._send
 
-    def held_send(acks: list[Claim], starts: list[Claim]) -> None:
+    def held_send(acks: list[Claim], starts: list[Claim], receipts: Any = ()) -> None:
         n = len(sent)
         sent.append(sorted(c.job_id for c in starts))
         if n < 2:
             entered[n].set()
             released[n].wait(ROUND_TRIP_WAIT_S)
-        send(acks, starts)
+        send(acks, starts, receipts)
 
     monkeypatch.setattr(b, "_send", held_send)
     recorded: dict[str, str | None] = {}
@@ -224,12 +224,12 @@ def test_a_start_whose_send_fails_in_another_thread_fails_there_too(
     sends: list[int] = []
     send = b._send
 
-    def failing_second(acks: list[Claim], starts: list[Claim]) -> None:
+    def failing_second(acks: list[Claim], starts: list[Claim], receipts: Any = ()) -> None:
         sends.append(len(starts))
         if len(sends) == 1:
             in_send.set()
             go_on.wait(ROUND_TRIP_WAIT_S)
-            send(acks, starts)
+            send(acks, starts, receipts)
             return
         raise RuntimeError("lanes closed")
 
@@ -467,10 +467,10 @@ def test_acks_on_their_way_still_count_as_waiting(
     in_send, go_on = threading.Event(), threading.Event()
     send = b._send
 
-    def slow_send(acks: list[Claim], starts: list[Claim]) -> None:
+    def slow_send(acks: list[Claim], starts: list[Claim], receipts: Any = ()) -> None:
         in_send.set()
         go_on.wait(ROUND_TRIP_WAIT_S)
-        send(acks, starts)
+        send(acks, starts, receipts)
 
     monkeypatch.setattr(b, "_send", slow_send)
     sender = threading.Thread(target=b.flush)
