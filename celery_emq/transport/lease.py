@@ -110,6 +110,7 @@ class LeaseKeeper:
         #: Nodes whose renewals are late: reported once, and once when over.
         self._late = Troubles(every_s=float("inf"))
         self.renewals = 0
+        self.pass_late = False
         #: When the last pass began (monotonic seconds).
         self._pass_began = float("-inf")
 
@@ -297,6 +298,8 @@ class LeaseKeeper:
         }
         results = self._lanes.run(shares, self.interval_ms / 1000)
         self.renewals += 1
+        #: Whether a node's share of this pass was still under way at its bound.
+        self.pass_late = any(share.late for share in results.values())
         lost: list[str] = []
         errors: list[BaseException] = []
         for node, share in results.items():
@@ -457,10 +460,11 @@ class LeaseKeeper:
             # the next call opens a fresh one), then within a second: a lease
             # outlives about two renewal intervals, so one missed pass must not
             # wait a whole one.
-            if failures == 1:
-                wait_ms = 100
-            elif failures:
-                wait_ms = min(interval_ms, 1000)
+            if failures:
+                # 0.1, 0.2, 0.4, 0.8 s, then every second at most: a node's share
+                # that was still waiting out its timeout makes the next pass skip
+                # it, and its retry must come well before the lease lapses.
+                wait_ms = min(100 * 2 ** min(failures - 1, 4), interval_ms, 1000)
             else:
                 wait_ms = interval_ms
             # Counted from the start of the last pass: a pass that waited on a
@@ -475,7 +479,10 @@ class LeaseKeeper:
                 if self._unseen:
                     self.let_go_of_orphans(host().started_delivery_tags(), ORPHAN_AFTER_S)
                 self.renew_once()
-                failures = 0
+                # A queue whose renewal failed (recorded per queue, not raised),
+                # or a node whose share outlasted the pass (a call waiting out
+                # its timeout), is retried as soon as a failed pass would be.
+                failures = failures + 1 if self._failures or self.pass_late else 0
             except Exception as exc:
                 failures += 1
                 # Each failing node was named in a warning (renew_once).
