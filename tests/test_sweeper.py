@@ -25,6 +25,7 @@ from celery_emq.transport.sweeper import Sweeper
 from celery_emq.worker import state as worker_state
 from celery_emq.worker.follow_up import CeleryFollowUp
 from tests.conftest import ManualKeeper, sweeps_ran_until, token_of
+from tests.e2e.harness import wait_for
 
 
 @pytest.fixture
@@ -544,3 +545,21 @@ def test_the_replacement_of_a_dead_fleet_recovers_at_once_and_a_cut_off_sweeper_
     assert failing.run_once(now_ms=30_000) == []
     assert failing.contact.since(prefix + "emq", "celery") == "0"
     assert replacement.contact.since(prefix + "emq", "celery") == "17100"
+
+
+def test_a_queue_a_consumer_starts_watching_is_swept_at_once_not_an_interval_later(
+    store: JobStore, client: redis.Redis
+) -> None:
+    # The first pass is the process's first contact on the queue: a pause that
+    # begins before an interval passed is then seen as an outage, not a dead
+    # fleet (CLIENT PAUSE right after the workers started had run jobs twice).
+    thread = SweepThread()
+    sweeper = Sweeper(store, EmqOptions(sweep_interval_s=30, lease_ms=120_000))
+    thread.watch(sweeper, "q", at_once=True)
+    wait_for(lambda: thread.contact.since(store.prefix, "q") not in ("", "0"), 3, 0.02)
+    # Watching it again asks for no pass of its own.
+    met = thread.contact.since(store.prefix, "q")
+    thread.watch(sweeper, "q", at_once=True)
+    time.sleep(0.3)
+    assert thread.contact.since(store.prefix, "q") == met
+    thread.unwatch_store(store)

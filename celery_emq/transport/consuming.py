@@ -66,7 +66,7 @@ class Consuming(StoreChannel):
             # A new queue is looked at before the first wait (a job stranded
             # by a lost marker, a delayed job due soon).
             self._next_scan_at = 0.0
-            sweep_thread().watch(self.sweeper, queue)
+            sweep_thread().watch(self.sweeper, queue, at_once=True)
         if nudge:
             # The wait in flight names only the queues consumed when it began;
             # last, so a failed nudge leaves the queue registered and swept (the

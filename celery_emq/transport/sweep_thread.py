@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 DUE_SLACK_S = 0.2
 #: ...and at least this long after the last pass.
 DUE_GAP_S = 1.0
+#: A queue newly watched is swept this soon (queues a consumer declares
+#: together are swept in one pass).
+WATCH_GAP_S = 0.05
 
 
 class SweepThread:
@@ -51,10 +54,24 @@ class SweepThread:
         #: Queues whose own sweep fails (a slot migrating).
         self._failing = Troubles()
 
-    def watch(self, sweeper: Sweeper, queue: str) -> None:
-        """Start sweeping ``queue`` with ``sweeper`` (idempotent per store and queue)."""
+    def watch(self, sweeper: Sweeper, queue: str, at_once: bool = False) -> None:
+        """Start sweeping ``queue`` with ``sweeper`` (idempotent per store and queue).
+
+        ``at_once``: a queue newly watched is swept at once (queues watched
+        together share that pass), as a consumer asks: that pass is the
+        process's first contact on the queue, so an outage that begins once
+        it consumes is seen as one (see
+        :class:`~celery_emq.transport.sweeper.Contact`), and a dead fleet's
+        jobs are recovered without waiting an interval.
+        """
         with self._lock:
+            new = (id(sweeper.store), queue) not in self._queues
             self._queues.setdefault((id(sweeper.store), queue), (sweeper, queue))
+            if new and at_once:
+                at = monotonic() + WATCH_GAP_S
+                if self._due_at is None or at < self._due_at:
+                    self._due_at = at
+                    self._wake.set()
             interval = sweeper.options.sweep_interval_s
             if self._interval_s is None or interval < self._interval_s:
                 self._interval_s = interval
