@@ -183,12 +183,16 @@ def test_beat_scheduled_sweep_recovers_a_lapsed_job(
     tmp_path: Path,
 ) -> None:
     store = JobStore(client, prefix + "emq", 1000)
-    # A job claimed and started by a worker that is gone: its lease lapsed a minute ago.
+    # A job claimed and started by a worker that is gone: its lease lapses in 10 s.
     result = capp.send_task("tests.e2e.app.add", args=(20, 22))
-    [job] = store.claim("celery", "gone-worker", now_ms=int(time.time() * 1000) - 60_000)
+    [job] = store.claim("celery", "gone-worker", now_ms=int(time.time() * 1000) + 9_000)
     assert store.start("celery", job.id, job.token).name == "OK"
-    # The worker's own sweep timer is slowed to an hour, so only beat can recover it.
+    # The worker sweeps what it consumes once at start, then its sweep timer is
+    # slowed to an hour: only beat can recover the job, once its lease lapsed.
     start_worker("-c", "1", EMQ_E2E_SWEEP_S="3600", EMQ_E2E_BEAT_S="1")
+    keys = store.keys("celery")
+    wait_for(lambda: client.hget(keys.base + "swept", "at"), 10)
+    assert client.zscore(keys.active, job.id) > time.time() * 1000, "lapsed too soon"
     beat_log = tmp_path / "beat.log"
     with open(beat_log, "wb") as fh:
         beat = subprocess.Popen(
