@@ -7,10 +7,12 @@ from typing import Any
 from celery_emq.store.keys import QueueKeys
 from celery_emq.store.scripts import Scripts
 
-__all__ = ["COUNTERS", "METRICS", "PURGE_BATCH", "StoreBase"]
+__all__ = ["COUNTERS", "METRICS", "PURGE_BATCH", "SOON_TTL_MS", "StoreBase"]
 
 #: Jobs one ``purge`` script call deletes before the store calls it again.
 PURGE_BATCH = 1000
+#: A queue's ``soon`` marker ends this long after its push (as enqueue.lua's).
+SOON_TTL_MS = 60_000
 #: The counters every queue keeps (``<p>:{q}:metrics:<name>``, field ``count``).
 METRICS: tuple[str, ...] = ("completed", "recovered", "stalled", "failed", "retried")
 #: Every counter a queue may hold: those and ``fenced`` (settles that named a claim

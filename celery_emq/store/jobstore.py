@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from celery_emq.errors import ReplicasUnconfirmedError
-from celery_emq.store.base import METRICS, PURGE_BATCH
+from celery_emq.store.base import METRICS, PURGE_BATCH, SOON_TTL_MS
 from celery_emq.store.batch import Batch
 from celery_emq.store.codec import pack
 from celery_emq.store.nodes import each_queue
@@ -407,6 +407,16 @@ class JobStore(Reads, Registry):
     def give_back(self, queue: str) -> bool:
         """Return a wake marker a consumer popped but did not claim for (if still due)."""
         return self.scripts.give_back(self.keys(queue))
+
+    def signal_soon(self, queue: str) -> None:
+        """Push ``queue``'s ``soon`` marker again (a consumer popped it and cannot scan).
+
+        It ends as the one an enqueue pushes does: a marker nobody pops does not stay.
+        """
+        soon = self.keys(queue).soon
+        pipe = self.client.pipeline(transaction=False)
+        pipe.lpush(soon, 1).pexpire(soon, SOON_TTL_MS)
+        pipe.execute()
 
     def budget(self, queue: str, job_id: str, max_stalled: int) -> bool:
         """Write a task's own stall budget (-1: none) on a job's row, never re-creating it."""

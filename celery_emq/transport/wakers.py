@@ -193,7 +193,7 @@ class Waker(threading.Thread):
                 self._channel._signal()
         if not keep:
             # Another consumer waiting may act on it.
-            self._channel._wake_redis().lpush(key, 1)
+            self._channel.store.signal_soon(self.queues[key])
 
     def _report(self, queue: str) -> None:
         """Hand the loop the marker popped from ``queue``'s wake list."""
