@@ -93,6 +93,10 @@ class MigratingStore(JobStore):
     def node_of(self, queue: str) -> str:
         return "one:6379"
 
+    @property
+    def one_server(self) -> bool:
+        return False  # each queue's calls apart, as on a Cluster master
+
     def extend(self, queue: str, *args: Any, **kwargs: Any) -> Any:
         if queue == MIGRATING:
             raise ClusterError("TTL exhausted.")

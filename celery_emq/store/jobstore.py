@@ -22,6 +22,7 @@ from celery_emq.store.nodes import each_queue
 from celery_emq.store.outcomes import (
     UNSET,
     Claims,
+    Looked,
     NewJob,
     Outcome,
     Scan,
@@ -308,6 +309,30 @@ class JobStore(Reads, Registry):
         )
         return self._retire_doomed(queue, swept, verdict, now_ms)
 
+    def look(
+        self,
+        queues: Sequence[str],
+        since: Sequence[str],
+        now_ms: int | None = None,
+        dead_max_age_ms: int = 0,
+        dead_max_size: int = 0,
+    ) -> Looked:
+        """One call over ``queues`` (one server only): which need a sweep pass now.
+
+        ``since`` is, per queue, the caller's evidence (as :meth:`sweep` takes
+        it). A queue with nothing to do is recorded swept, as its pass would
+        have been (see ``look.lua``).
+        """
+        return self.scripts.look(
+            [self.keys(q) for q in queues],
+            since,
+            now_ms,
+            self.lease_ms,
+            dead_max_age_ms,
+            dead_max_size,
+            self.expiring_key,
+        )
+
     def charge(
         self,
         queue: str,
@@ -439,16 +464,22 @@ class JobStore(Reads, Registry):
         """Promote due delayed jobs; say which of ``queues`` have jobs to claim, and
         when the earliest job still delayed in them is due.
 
-        One script call per queue (its keys share a slot), in one round trip;
-        each queue's reply is read on its own (:func:`each_queue`): a queue
-        whose call failed (its slot migrating) is named in ``failed``, the
-        others' replies stand.
+        On one server, one script call for every queue (an idle consumer's
+        look costs one call whatever its queues). On a Cluster, one call per
+        queue (its keys share a slot), in one round trip; each queue's reply
+        is read on its own (:func:`each_queue`): a queue whose call failed
+        (its slot migrating) is named in ``failed``, the others' replies stand.
 
         Raises:
             redis.RedisError: the round trip failed, or every queue's call did.
         """
         if not queues:
             return Scan([], None)
+        if self.one_server:
+            found = self.scripts.promote_many([self.keys(q) for q in queues], PROMOTE_BATCH)
+            due = [r[2] for r in found if r[2] >= 0]
+            waiting = [q for q, r in zip(queues, found, strict=True) if r[1]]
+            return Scan(waiting, min(due) if due else None)
         batch = self.scripts.batch()
         handles = {q: batch.promote(self.keys(q), PROMOTE_BATCH) for q in queues}
         batch.execute()

@@ -34,6 +34,7 @@ SCRIPT_NAMES: tuple[str, ...] = (
     "promote",
     "tally",
     "oldest",
+    "look",
 )
 
 

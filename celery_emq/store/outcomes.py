@@ -15,6 +15,7 @@ __all__ = [
     "UNSET",
     "Claimed",
     "Claims",
+    "Looked",
     "NewJob",
     "Outcome",
     "Scan",
@@ -145,6 +146,18 @@ def new_nonce() -> str:
     by the server, so no rollback can issue it again.
     """
     return secrets.token_hex(8)
+
+
+@dataclass(frozen=True)
+class Looked:
+    """What one look over several queues of one server found (see ``JobStore.look``)."""
+
+    #: the server's clock at the look (ms)
+    now_ms: int
+    #: how many queues the x-expires registry holds
+    expiring: int
+    #: per queue asked, in order: whether a sweep pass has work there
+    needs: list[bool]
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from celery_emq.store.outcomes import (
     UNSET,
     Claimed,
     Claims,
+    Looked,
     NewJob,
     Outcome,
     Swept,
@@ -129,6 +130,44 @@ class Scripts(Loaded):
             [time_arg(now_ms), limit, *task_ids],
         )
         return int(reply[0]), bool(reply[1])
+
+    def promote_many(self, queues: Sequence[QueueKeys], limit: int) -> list[tuple[int, bool, int]]:
+        """Promote due delayed jobs of several queues of one server, in one call.
+
+        Returns, per queue: how many were promoted, whether it has jobs to
+        claim, and in how many ms its earliest delayed job is due (-1: none).
+        """
+        reply = self.run("promote", [key for k in queues for key in promote_keys(k)], ["", limit])
+        if len(reply) != 3 * len(queues):
+            raise ScriptContractError(f"promote.lua answered {len(reply)} items")
+        return [
+            (int(reply[i]), bool(reply[i + 1]), int(reply[i + 2])) for i in range(0, len(reply), 3)
+        ]
+
+    def look(
+        self,
+        queues: Sequence[QueueKeys],
+        since: Sequence[str],
+        now_ms: int | None,
+        lease_ms: int,
+        dead_max_age_ms: int,
+        dead_max_size: int,
+        expiring: str,
+    ) -> Looked:
+        """Ask which of several queues of one server need a sweep pass (``look.lua``)."""
+        keys = [
+            key
+            for k in queues
+            for key in (k.active, k.pending, k.wake, k.head, k.dead, k.lanes, k.base)
+        ]
+        reply = self.run(
+            "look",
+            [expiring, *keys],
+            [time_arg(now_ms), lease_ms, dead_max_age_ms, dead_max_size, *since],
+        )
+        if len(reply) != 2 + len(queues):
+            raise ScriptContractError(f"look.lua answered {len(reply)} items")
+        return Looked(int(reply[0]), int(reply[1]), [bool(x) for x in reply[2:]])
 
     def tally(
         self, k: QueueKeys, offset: int, limit: int, heads: bool = False

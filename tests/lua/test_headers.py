@@ -91,6 +91,7 @@ CALLS: dict[str, tuple[Call, int]] = {
     "promote": (lambda s, k: s.promote(k, 1, 10, ["t1", "t2"]), 2),
     "tally": (lambda s, k: s.tally(k, 0, 10, True), 0),
     "oldest": (lambda s, k: s.oldest(k, 0, 10, 0, 10), 0),
+    "look": (lambda s, k: s.look([k], ["5"], 1, 1000, 0, 0, "emq:expiring"), 1),
 }
 
 #: Calls that leave the time to the Redis server (``now_ms=None``).
@@ -105,6 +106,7 @@ SERVER_TIME: dict[str, Call] = {
     "retry": lambda s, k: s.retry(k, None, ["a"]),
     "retire": lambda s, k: s.retire(k, "id", False, None),
     "promote": lambda s, k: s.promote(k, None, 10),
+    "look": lambda s, k: s.look([k], ["5"], None, 1000, 0, 0, "emq:expiring"),
 }
 
 
@@ -138,9 +140,9 @@ def test_header_matches_wrapper(name: str) -> None:
         assert len(args) == n_argv - 1 + extra
     else:
         assert (len(args), extra) == (n_argv, 0)
-    # The one exception: the sweep's optional x-expires registry, which the store
-    # names only on one server (JobStore.one_server), never on a Cluster.
-    shared = [key for key in keys if not (name == "sweep" and key == "emq:expiring")]
+    # The one exception: the x-expires registry of the sweep (optional) and of the
+    # look, which the store names only on one server (JobStore.one_server).
+    shared = [key for key in keys if not (name in ("sweep", "look") and key == "emq:expiring")]
     assert all("{q}" in key for key in shared), "every key shares the queue hash tag"
 
 

@@ -11,13 +11,13 @@
   ARGV[3..] task ids  promote these delayed jobs now, due or not, marked `revoked`: they
             were revoked, and the worker that claims one discards it as Celery does a
             revoked task, even one that no longer remembers the revoke
-  Returns {promoted, waiting, next_due}: how many jobs were promoted, 1 if the queue
-  has jobs to claim (pending or in a lane) else 0, and in how many ms (on the server's
-  clock) the earliest job still delayed is due (-1: none; 0: due, past the limit).
-  A promoted job joins the tail of its queue or lane, in ETA order.
+  Several queues (one server only: a consumer's scan of every queue it waits on, in
+  one call): the same seven keys again for each; the task ids apply to each.
+  Returns {promoted, waiting, next_due} per queue, in KEYS order: how many jobs were
+  promoted, 1 if the queue has jobs to claim (pending or in a lane) else 0, and in how
+  many ms (on the server's clock) the earliest job still delayed is due (-1: none; 0:
+  due, past the limit). A promoted job joins the tail of its queue or lane, in ETA order.
 ]]
-local pending, wake, seq, lanes, delayed = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local etas, base = KEYS[6], KEYS[7]
 local limit, now_arg = tonumber(ARGV[2]), ARGV[1]
 
 local BAND = 1099511627776
@@ -42,62 +42,75 @@ local function unindex_eta(etas, task, id)
   end
 end
 
-local ids = {}
 local now_ms
-for i = 3, #ARGV do
-  -- Every delayed job of the task id goes now: the whole entry leaves the index.
-  local listed = redis.call('HGET', etas, ARGV[i])
-  if listed then
-    for id in string.gmatch(listed, '%S+') do
-      if redis.call('ZSCORE', delayed, id) then
-        redis.call('HSET', base .. 'job:' .. id, 'revoked', 1)
-        ids[#ids + 1] = id
+local function promote(g)
+  local pending, wake, seq, lanes = KEYS[g + 1], KEYS[g + 2], KEYS[g + 3], KEYS[g + 4]
+  local delayed, etas, base = KEYS[g + 5], KEYS[g + 6], KEYS[g + 7]
+  local ids = {}
+  for i = 3, #ARGV do
+    -- Every delayed job of the task id goes now: the whole entry leaves the index.
+    local listed = redis.call('HGET', etas, ARGV[i])
+    if listed then
+      for id in string.gmatch(listed, '%S+') do
+        if redis.call('ZSCORE', delayed, id) then
+          redis.call('HSET', base .. 'job:' .. id, 'revoked', 1)
+          ids[#ids + 1] = id
+        end
       end
+      redis.call('HDEL', etas, ARGV[i])
     end
-    redis.call('HDEL', etas, ARGV[i])
   end
-end
--- An idle consumer runs this after each wait: with nothing delayed, it reads no clock.
-if limit > 0 and redis.call('EXISTS', delayed) == 1 then
-  now_ms = tonumber(now_arg)
-  if not now_ms then
-    local t = redis.call('TIME')
-    now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  end
-  local due = redis.call('ZRANGE', delayed, '-inf', now_ms, 'BYSCORE', 'LIMIT', 0, limit)
-  for _, id in ipairs(due) do
-    ids[#ids + 1] = id
-  end
-end
-local n = 0
-for _, id in ipairs(ids) do
-  if redis.call('ZREM', delayed, id) == 1 then
-    local job = base .. 'job:' .. id
-    local row = redis.call('HMGET', job, 'priority', 'group', 'task')
-    if row[3] then
-      unindex_eta(etas, row[3], id)
+  -- An idle consumer runs this after each wait: with nothing delayed, it reads no clock.
+  if limit > 0 and redis.call('EXISTS', delayed) == 1 then
+    now_ms = tonumber(now_arg)
+    if not now_ms then
+      local t = redis.call('TIME')
+      now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
     end
-    local lane = pending
-    if row[2] and row[2] ~= '' then
-      lane = base .. 'g:' .. row[2] .. ':pending'
-      redis.call('ZADD', lanes, 0, row[2])
+    local due = redis.call('ZRANGE', delayed, '-inf', now_ms, 'BYSCORE', 'LIMIT', 0, limit)
+    for _, id in ipairs(due) do
+      ids[#ids + 1] = id
     end
-    redis.call('ZADD', lane, tonumber(row[1] or '0') * BAND + redis.call('INCR', seq), id)
-    redis.call('HSET', job, 'state', 'pending')
-    redis.call('HDEL', job, 'task')
-    redis.call('LPUSH', wake, 1)
-    n = n + 1
   end
-end
-local waiting = 0
-if redis.call('EXISTS', pending, lanes) > 0 then
-  waiting = 1
-end
-local next_due = -1
-if now_ms then
-  local first = redis.call('ZRANGE', delayed, 0, 0, 'WITHSCORES')
-  if first[2] then
-    next_due = math.max(0, tonumber(first[2]) - now_ms)
+  local n = 0
+  for _, id in ipairs(ids) do
+    if redis.call('ZREM', delayed, id) == 1 then
+      local job = base .. 'job:' .. id
+      local row = redis.call('HMGET', job, 'priority', 'group', 'task')
+      if row[3] then
+        unindex_eta(etas, row[3], id)
+      end
+      local lane = pending
+      if row[2] and row[2] ~= '' then
+        lane = base .. 'g:' .. row[2] .. ':pending'
+        redis.call('ZADD', lanes, 0, row[2])
+      end
+      redis.call('ZADD', lane, tonumber(row[1] or '0') * BAND + redis.call('INCR', seq), id)
+      redis.call('HSET', job, 'state', 'pending')
+      redis.call('HDEL', job, 'task')
+      redis.call('LPUSH', wake, 1)
+      n = n + 1
+    end
   end
+  local waiting = 0
+  if redis.call('EXISTS', pending, lanes) > 0 then
+    waiting = 1
+  end
+  local next_due = -1
+  if now_ms then
+    local first = redis.call('ZRANGE', delayed, 0, 0, 'WITHSCORES')
+    if first[2] then
+      next_due = math.max(0, tonumber(first[2]) - now_ms)
+    end
+  end
+  return n, waiting, next_due
 end
-return {n, waiting, next_due}
+
+local out = {}
+for g = 0, #KEYS - 7, 7 do
+  local n, waiting, next_due = promote(g)
+  out[#out + 1] = n
+  out[#out + 1] = waiting
+  out[#out + 1] = next_due
+end
+return out
