@@ -13,7 +13,11 @@ Run it on a Redis nothing else is using (``MONITOR`` costs the server some
 work; a private ``redis-server`` is best), or the figures include the other
 clients.
 
-    python bench/idle.py --port 6390 --seconds 20
+    python bench/idle.py --port 6390 --seconds 20 --queues 1,5,20
+
+``--queues`` runs the worker on that many queues (``-Q idle0,...``) per figure:
+the stock transport's cost is one ``BRPOP`` a second whatever its queues; the
+figures show whether ``emq://``'s grows with them.
 
 Through Sentinel: ``--port`` names the master (where the commands are counted),
 ``--emq-url``/``--stock-url`` the broker URLs listing the sentinels, and
@@ -57,7 +61,7 @@ class Idle:
         return self.processed / self.seconds
 
 
-def idle(scheme: str, args: argparse.Namespace) -> Idle:
+def idle(scheme: str, args: argparse.Namespace, queues: int = 1) -> Idle:
     env = round_env(scheme, args.host, args.port, args.db)
     url = {"emq": args.emq_url, "redis": args.stock_url}.get(scheme)
     if url:
@@ -70,7 +74,8 @@ def idle(scheme: str, args: argparse.Namespace) -> Idle:
     monitor = Monitor(redis.Redis.from_url(env["BENCH_RECORD"], socket_timeout=None), own)
     monitor.start()
     try:
-        with bench_worker(env, 2, "--without-heartbeat"):
+        names = ",".join(f"idle{i}" for i in range(queues))
+        with bench_worker(env, 2, "--without-heartbeat", "-Q", names):
             time.sleep(args.settle)
             before = client.info("stats")["total_commands_processed"]
             monitor.counting = True
@@ -88,9 +93,12 @@ def idle(scheme: str, args: argparse.Namespace) -> Idle:
     return result
 
 
-def report(results: dict[str, Idle]) -> None:
+def report(results: dict[str, Idle], queues: int = 1) -> None:
     seconds = next(iter(results.values())).seconds
-    print(f"idle prefork worker -c 2, no heartbeats, {seconds:g} s window, per second:")
+    print(
+        f"idle prefork worker -c 2 on {queues} queue(s), no heartbeats, "
+        f"{seconds:g} s window, per second:"
+    )
     print(f"  {'':34}" + "".join(f"{s + '://':>12}" for s in results))
     print(
         f"  {'sent (a script call once)':34}"
@@ -125,9 +133,18 @@ def main() -> None:
     ap.add_argument("--emq-url", help="the emq:// broker URL (default: emq:// on --host/--port)")
     ap.add_argument("--stock-url", help="the stock broker URL (default: redis:// on --host/--port)")
     ap.add_argument("--options", default="{}", help="more broker transport options (JSON)")
+    ap.add_argument("--queues", default="1", help="queue counts to measure, comma-separated")
     add_redis_options(ap)
     args = ap.parse_args()
-    report({scheme: idle(scheme, args) for scheme in args.schemes.split(",")})
+    schemes = args.schemes.split(",")
+    summary: dict[int, dict[str, Idle]] = {}
+    for n in (int(x) for x in args.queues.split(",")):
+        summary[n] = {scheme: idle(scheme, args, n) for scheme in schemes}
+        report(summary[n], n)
+    print("commands sent a second (a script call once), by number of queues:")
+    print(f"  {'queues':>8}" + "".join(f"{s + '://':>12}" for s in schemes))
+    for n, results in summary.items():
+        print(f"  {n:>8}" + "".join(f"{results[s].sent_rate:12.2f}" for s in schemes))
 
 
 if __name__ == "__main__":

@@ -55,6 +55,10 @@ class SickStore(JobStore):
     def node_of(self, queue: str) -> str:
         return "sick:6379"
 
+    @property
+    def one_server(self) -> bool:
+        return False  # each queue swept apart, as on a Cluster master
+
     def _hang(self) -> None:
         self.calls += 1
         self.answer.wait(HANG_S)

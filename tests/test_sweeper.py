@@ -563,3 +563,39 @@ def test_a_queue_a_consumer_starts_watching_is_swept_at_once_not_an_interval_lat
     time.sleep(0.3)
     assert thread.contact.since(store.prefix, "q") == met
     thread.unwatch_store(store)
+
+
+def test_a_pass_over_twenty_idle_queues_is_one_call_and_a_lapsed_one_is_still_swept(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An idle worker's cost does not grow with its queues: one look, and a sweep
+    # only where there is work; the look counts as the process's contact.
+    monkeypatch.setattr(lease, "_keeper", ManualKeeper("me"))
+    calls: list[str] = []
+    run = type(store.scripts).run
+
+    def counted(self: Any, name: str, keys: Any, args: Any) -> Any:
+        calls.append(name)
+        return run(self, name, keys, args)
+
+    monkeypatch.setattr(type(store.scripts), "run", counted)
+    thread = SweepThread()
+    sweeper = Sweeper(store, EmqOptions(sweep_interval_s=3600, lease_ms=5000))
+    queues = [f"q{i}" for i in range(20)]
+    for q in queues:
+        thread.watch(sweeper, q)
+    now = store.server_ms()
+    thread.run_once(now_ms=now)  # the first pass: every queue's own sweep
+    assert calls.count("sweep") == 20
+    calls.clear()
+    thread.run_once(now_ms=now + 1000)
+    assert calls == ["look"]
+    assert thread.contact.since(store.prefix, "q7") == str(now + 1000)
+    store.enqueue("q7", "j", b"{}", now_ms=now + 1000)
+    store.claim("q7", "gone", now_ms=now + 1000)
+    for at in (now + 3000, now + 5000):
+        thread.run_once(now_ms=at)  # passes within half a lease: no gap to judge
+    calls.clear()
+    [report] = [r for r in thread.run_once(now_ms=now + 6500) if r.queue == "q7"]
+    assert calls == ["look", "sweep"] and report.requeued == ["j"]
+    thread.unwatch_store(store)

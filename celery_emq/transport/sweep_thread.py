@@ -212,8 +212,28 @@ class SweepThread:
 def _sweep_all(
     targets: list[tuple[Sweeper, str]], now_ms: int | None, contact: Contact
 ) -> dict[tuple[Sweeper, str], Share[SweepReport]]:
-    """Sweep each of one node's queues; a queue whose sweep fails is tried next pass."""
-    return each_queue(targets, lambda target: target[0].sweep(target[1], now_ms, contact))
+    """Sweep each of one node's queues; a queue whose sweep fails is tried next pass.
+
+    On one server, one look over the queues of each store says which have
+    work; only those are swept (an idle worker's pass is one call, whatever
+    its queues).
+    """
+    by_sweeper: dict[int, tuple[Sweeper, list[str]]] = {}
+    for sweeper, queue in targets:
+        by_sweeper.setdefault(id(sweeper), (sweeper, []))[1].append(queue)
+    idle = {
+        (key, q)
+        for key, (sweeper, queues) in by_sweeper.items()
+        for q in sweeper.idle(queues, now_ms, contact)
+    }
+
+    def sweep(target: tuple[Sweeper, str]) -> SweepReport:
+        sweeper, queue = target
+        if (id(sweeper), queue) in idle:
+            return SweepReport(queue)
+        return sweeper.sweep(queue, now_ms, contact)
+
+    return each_queue(targets, sweep)
 
 
 def _expire(sweeper: Sweeper) -> None:

@@ -170,6 +170,38 @@ class Sweeper:
             )
         return report
 
+    def idle(
+        self, queues: Sequence[str], now_ms: int | None = None, contact: Contact | None = None
+    ) -> set[str]:
+        """Which of ``queues`` need no sweep pass now, asked in one call (one server only).
+
+        Those are recorded swept, as their pass would have been, and count as
+        this process's contact on them; the others are swept one by one. On a
+        Cluster, or if the look fails, none is taken as idle: each queue's own
+        sweep runs (and meets the error itself).
+        """
+        if not queues or not self.store.one_server:
+            return set()
+        prefix = self.store.prefix
+        since = ["0" if contact is None else contact.since(prefix, q) for q in queues]
+        try:
+            looked = self.store.look(
+                queues,
+                since,
+                now_ms,
+                dead_max_age_ms=self.options.dead_max_age_s * 1000,
+                dead_max_size=self.options.dead_max_size,
+            )
+        except Exception:
+            logger.debug("celery_emq: the look over %d queues failed", len(queues), exc_info=True)
+            return set()
+        self.expiring = looked.expiring > 0
+        idle = {q for q, need in zip(queues, looked.needs, strict=True) if not need}
+        if contact is not None:
+            for q in idle:
+                contact.met(prefix, q, looked.now_ms)
+        return idle
+
     def reap(self, queue: str, now_ms: int | None = None) -> SweepReport:
         """Return every lapsed job of ``queue`` to its queue, uncounted."""
         report = SweepReport(queue)
