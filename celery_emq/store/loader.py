@@ -6,6 +6,7 @@ A script is sent as ``EVALSHA``; one the server lost (a restart, a failover,
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from importlib import resources
 from typing import Any
@@ -38,14 +39,21 @@ SCRIPT_NAMES: tuple[str, ...] = (
 )
 
 
-def script_source(name: str) -> str:
-    """Return the Lua source of one script shipped in ``celery_emq/store/lua``."""
+#: A line ``--@include <name>`` in a script is replaced by ``lua/lib/<name>.lua``:
+#: a fragment several scripts share (a local function) is written once.
+INCLUDE = re.compile(r"^--@include (\w+)$", re.M)
+
+
+def _lua(path: str) -> str:
     return (
-        resources.files(__package__ or "celery_emq.store")
-        .joinpath("lua")
-        .joinpath(f"{name}.lua")
-        .read_text("utf-8")
-    )
+        resources.files(__package__ or "celery_emq.store").joinpath("lua").joinpath(path)
+    ).read_text("utf-8")
+
+
+def script_source(name: str) -> str:
+    """Return the Lua source of one script shipped in ``celery_emq/store/lua``,
+    its ``--@include`` lines replaced by the fragments they name."""
+    return INCLUDE.sub(lambda m: _lua(f"lib/{m[1]}.lua").rstrip("\n"), _lua(f"{name}.lua"))
 
 
 class Loaded:

@@ -19,19 +19,18 @@
               dead-lettered), the job is deleted as completed instead of run again.
               Counted in <p>:{q}:metrics:fenced (fields count, reason:ack).
 ]]
+--@include live
 local active, pending, wake, dead, completed = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local base = KEYS[6]
 -- A counter ends this long after its last change (30 days): a queue gone for good leaves none.
 local COUNTER_TTL_MS = 2592000000
-
 
 local out = {}
 for i = 1, #ARGV, 2 do
   local id, token = ARGV[i], ARGV[i + 1]
   local job = base .. 'job:' .. id
   local row = redis.call('HMGET', job, 'state', 'deliveries', 'group', 'claim')
-  -- The live claim: its id, or its delivery count if a version that keeps no claim id made it.
-  local live = (row[4] and string.match(row[4], '^%d+') == row[2]) and row[4] or row[2]
+  local live = live_claim(row[2], row[4])
   local code
   if not row[1] or row[1] == 'delayed' then
     code = 1

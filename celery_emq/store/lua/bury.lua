@@ -20,25 +20,21 @@
   <p>:{q}:metrics:fenced, reason:bury), 7 COMPLETED (an older
   claim completed the job: deleted and counted completed, never dead-lettered).
 ]]
+--@include clock
+--@include live
 local active, pending, wake, dead, job = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local failed, base = KEYS[6], KEYS[7]
 -- A counter ends this long after its last change (30 days): a queue gone for good leaves none.
 local COUNTER_TTL_MS = 2592000000
 local id, token, reason, err = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local now_ms = tonumber(ARGV[5])
-if not now_ms then
-  local t = redis.call('TIME')
-  now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-
+local now_ms = clock(ARGV[5])
 
 local row = redis.call('HMGET', job, 'state', 'deliveries', 'group', 'completed', 'claim')
 if not row[1] or row[1] == 'dead' or row[1] == 'delayed' then
   return 1
 end
 if row[1] == 'active' then
-  -- The live claim: its id, or its delivery count if a version that keeps no claim id made it.
-  local live = (row[5] and string.match(row[5], '^%d+') == row[2]) and row[5] or row[2]
+  local live = live_claim(row[2], row[5])
   if live ~= token then
     redis.call('HINCRBY', base .. 'metrics:fenced', 'count', 1)
     redis.call('HINCRBY', base .. 'metrics:fenced', 'reason:bury', 1)

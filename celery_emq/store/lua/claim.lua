@@ -37,6 +37,7 @@
   (start.lua, received), the sweep blames it alone, and forgives the owner's other
   claims of this queue (sweep.lua).
 ]]
+--@include clock
 local pending, active, wake, seq, head = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local lanes, cursor, expires, base = KEYS[6], KEYS[7], KEYS[8], KEYS[9]
 local lease_ms, owner = tonumber(ARGV[2]), ARGV[3]
@@ -44,11 +45,7 @@ local count, held, ttl_ms = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[
 local nonce = ARGV[7]
 local may_take_suspect = ARGV[8] == '1'
 local here = ARGV[9] == '1' and '1' or '0'
-local now_ms = tonumber(ARGV[1])
-if not now_ms then
-  local t = redis.call('TIME')
-  now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+local now_ms = clock(ARGV[1])
 if ttl_ms > 0 then
   redis.call('SET', expires, 1, 'PX', ttl_ms)
 end

@@ -25,15 +25,12 @@
   The row holds only what is not implied elsewhere: the queue is in the key, a stall
   count and a claim count appear on first use, a zero priority is not written.
 ]]
+--@include clock
 local pending, wake, seq, job, lanes = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local expires, base, msg, delayed, etas = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
 local id, message = ARGV[1], ARGV[2]
 local priority, ttl_ms = tonumber(ARGV[3]), tonumber(ARGV[5])
-local now_ms = tonumber(ARGV[4])
-if not now_ms then
-  local t = redis.call('TIME')
-  now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+local now_ms = clock(ARGV[4])
 local max_stalled, group = ARGV[6], ARGV[7]
 local eta_ms, task_id = tonumber(ARGV[8]), ARGV[9]
 

@@ -24,14 +24,11 @@
   delayed job due before every delayed job there was pushes the one `soon` marker,
   as in enqueue.lua.
 ]]
+--@include clock
 local pending, wake, seq, lanes = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local expires, base, delayed, etas = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local ttl_ms = tonumber(ARGV[2])
-local now_ms = tonumber(ARGV[1])
-if not now_ms then
-  local t = redis.call('TIME')
-  now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+local now_ms = clock(ARGV[1])
 
 -- Priority bands are 2^40 wide: FIFO within a band by the tail sequence.
 local BAND = 1099511627776

@@ -8,17 +8,14 @@
   Returns a flat array id, token, ... of the claims that are lost (no longer
   active, or active under another claim: counted fenced); those are left untouched.
 ]]
+--@include clock
+--@include live
 -- A counter ends this long after its last change (30 days).
 local COUNTER_TTL_MS = 2592000000
 local active, jobs, fenced = KEYS[1], KEYS[2], KEYS[3]
 local lease_ms = tonumber(ARGV[1])
-local now_ms = tonumber(ARGV[2])
-if not now_ms then
-  local t = redis.call('TIME')
-  now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+local now_ms = clock(ARGV[2])
 local deadline = now_ms + lease_ms
-
 
 local lost = {}
 for i = 3, #ARGV, 2 do
@@ -26,8 +23,7 @@ for i = 3, #ARGV, 2 do
   local live = false
   if redis.call('ZSCORE', active, id) then
     local row = redis.call('HMGET', jobs .. id, 'deliveries', 'claim')
-    -- The live claim: its id, or its delivery count if a version that keeps no claim id made it.
-    live = ((row[2] and string.match(row[2], '^%d+') == row[1]) and row[2] or row[1]) == token
+    live = live_claim(row[1], row[2]) == token
     if not live then
       redis.call('HINCRBY', fenced, 'count', 1)
       redis.call('HINCRBY', fenced, 'reason:extend', 1)

@@ -23,13 +23,10 @@
   needs none is recorded swept now (`swept` `at`), as its pass would have been.
   An idle worker sends this one call a sweep interval, whatever its queues.
 ]]
+--@include clock
 local SWEPT_TTL_MS = 86400000
 local registry = KEYS[1]
-local now_ms = tonumber(ARGV[1])
-if not now_ms then
-  local t = redis.call('TIME')
-  now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+local now_ms = clock(ARGV[1])
 local lease_ms = tonumber(ARGV[2])
 local dead_max_age_ms, dead_max_size = tonumber(ARGV[3]), tonumber(ARGV[4])
 local n = math.floor((#KEYS - 1) / 7)

@@ -18,29 +18,11 @@
   many ms (on the server's clock) the earliest job still delayed is due (-1: none; 0:
   due, past the limit). A promoted job joins the tail of its queue or lane, in ETA order.
 ]]
+--@include etas
+--@include clock
 local limit, now_arg = tonumber(ARGV[2]), ARGV[1]
 
 local BAND = 1099511627776
-
--- The revoke index holds, per Celery task id, the space-separated ids of its delayed jobs:
--- one leaving the delayed set leaves the index; the others stay revocable.
-local function unindex_eta(etas, task, id)
-  local ids = redis.call('HGET', etas, task)
-  if not ids then
-    return
-  end
-  local kept = {}
-  for other in string.gmatch(ids, '%S+') do
-    if other ~= id then
-      kept[#kept + 1] = other
-    end
-  end
-  if #kept == 0 then
-    redis.call('HDEL', etas, task)
-  else
-    redis.call('HSET', etas, task, table.concat(kept, ' '))
-  end
-end
 
 local now_ms
 local function promote(g)
@@ -62,11 +44,7 @@ local function promote(g)
   end
   -- An idle consumer runs this after each wait: with nothing delayed, it reads no clock.
   if limit > 0 and redis.call('EXISTS', delayed) == 1 then
-    now_ms = tonumber(now_arg)
-    if not now_ms then
-      local t = redis.call('TIME')
-      now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-    end
+    now_ms = now_ms or clock(now_arg)
     local due = redis.call('ZRANGE', delayed, '-inf', now_ms, 'BYSCORE', 'LIMIT', 0, limit)
     for _, id in ipairs(due) do
       ids[#ids + 1] = id

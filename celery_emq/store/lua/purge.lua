@@ -19,6 +19,7 @@
   An expired queue left with no job at all (none pending, delayed, active or dead)
   loses its remaining keys too: counters, swept, migrated, etas and the ordering keys.
 ]]
+--@include etas
 local pending, wake, seq, head = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local lanes, cursor, expires, base = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local delayed, etas = KEYS[9], KEYS[10]
@@ -46,25 +47,6 @@ while n < limit do
   drain(lane)
   if redis.call('EXISTS', lane) == 0 then
     redis.call('ZREM', lanes, group)
-  end
-end
--- The revoke index holds, per Celery task id, the space-separated ids of its delayed jobs:
--- one leaving the delayed set leaves the index; the others stay revocable.
-local function unindex_eta(etas, task, id)
-  local ids = redis.call('HGET', etas, task)
-  if not ids then
-    return
-  end
-  local kept = {}
-  for other in string.gmatch(ids, '%S+') do
-    if other ~= id then
-      kept[#kept + 1] = other
-    end
-  end
-  if #kept == 0 then
-    redis.call('HDEL', etas, task)
-  else
-    redis.call('HSET', etas, task, table.concat(kept, ' '))
   end
 end
 local claimable = n

@@ -14,13 +14,11 @@
   fenced) is deleted and counted completed instead, and not returned. A batch keeps its order (earliest lapse first)
   at the front of the queue.
 ]]
+--@include clock
+--@include live
 local active, pending, wake, head, lanes, base = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local limit = tonumber(ARGV[2])
-local now_ms = tonumber(ARGV[1])
-if not now_ms then
-  local t = redis.call('TIME')
-  now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+local now_ms = clock(ARGV[1])
 
 local BAND = 1099511627776
 -- A counter ends this long after its last change (30 days): a queue gone for good leaves none.
@@ -39,8 +37,7 @@ for i, id in ipairs(ids) do
   redis.call('ZREM', active, id)
   local row = redis.call('HMGET', job, 'state', 'group', 'completed', 'priority', 'started',
     'deliveries', 'claim')
-  -- The lapsed claim: its id, or its delivery count if a version that keeps no claim id made it.
-  local token = (row[7] and string.match(row[7], '^%d+') == row[6]) and row[7] or row[6]
+  local token = live_claim(row[6], row[7])
   if row[3] then
     -- An older claim completed the job (its ack was fenced): done, not run again.
     redis.call('DEL', job, base .. 'msg:' .. id)

@@ -17,6 +17,7 @@
   6 STARTED (unless_started, and the claim's task has started; untouched),
   7 COMPLETED (an older claim completed the job: deleted and counted completed).
 ]]
+--@include live
 local active, pending, wake, head, job = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local lanes, base = KEYS[6], KEYS[7]
 local id, token, unless_started = ARGV[1], ARGV[2], ARGV[3] == '1'
@@ -25,14 +26,12 @@ local BAND = 1099511627776
 -- A counter ends this long after its last change (30 days): a queue gone for good leaves none.
 local COUNTER_TTL_MS = 2592000000
 
-
 if not redis.call('ZSCORE', active, id) then
   return 1
 end
 local row = redis.call('HMGET', job, 'deliveries', 'priority', 'group', 'started', 'completed',
   'claim')
--- The live claim: its id, or its delivery count if a version that keeps no claim id made it.
-local live = (row[6] and string.match(row[6], '^%d+') == row[1]) and row[6] or row[1]
+local live = live_claim(row[1], row[6])
 if live ~= token then
   redis.call('HINCRBY', base .. 'metrics:fenced', 'count', 1)
   redis.call('HINCRBY', base .. 'metrics:fenced', 'reason:release', 1)

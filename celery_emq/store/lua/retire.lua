@@ -17,13 +17,11 @@
   counted completed, never dead-lettered), 1 NOT_FOUND (no live claim marked
   doomed: the job was settled since, or retired by another sweep).
 ]]
+--@include clock
+--@include live
 local active, dead, job, base = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local id, succeeded = ARGV[1], ARGV[2] == '1'
-local now_ms = tonumber(ARGV[3])
-if not now_ms then
-  local t = redis.call('TIME')
-  now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+local now_ms = clock(ARGV[3])
 
 -- A counter ends this long after its last change (30 days): a queue gone for good leaves none.
 local COUNTER_TTL_MS = 2592000000
@@ -38,8 +36,7 @@ local function count(name, reason)
 end
 
 local row = redis.call('HMGET', job, 'state', 'deliveries', 'claim', 'doomed', 'completed', 'reason')
--- The live claim: its id, or its delivery count if a version that keeps no claim id made it.
-local live = (row[3] and string.match(row[3], '^%d+') == row[2]) and row[3] or row[2]
+local live = live_claim(row[2], row[3])
 if row[1] ~= 'active' or not row[4] or row[4] ~= live
     or not redis.call('ZSCORE', active, id) then
   return 1

@@ -16,13 +16,10 @@
   order given (the first at the very front), and the ids that were not dead (with
   `whole`, retried is then empty).
 ]]
+--@include clock
 local dead, pending, wake, head, lanes, base = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-local now_ms, whole = tonumber(ARGV[1]), ARGV[2] == '1'
+local now_ms, whole = clock(ARGV[1]), ARGV[2] == '1'
 local FIRST = 3
-if not now_ms then
-  local t = redis.call('TIME')
-  now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
 
 local BAND = 1099511627776
 -- A counter ends this long after its last change (30 days): a queue gone for good leaves none.

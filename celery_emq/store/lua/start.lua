@@ -18,18 +18,17 @@
   Returns 0 OK, 1 NOT_FOUND (no row, or not active), 5 FENCED (another claim holds
   it; counted, reason:start).
 ]]
+--@include live
 -- A counter ends this long after its last change (30 days).
 local COUNTER_TTL_MS = 2592000000
 local job, fenced = KEYS[1], KEYS[2]
 local token, what = ARGV[1], ARGV[2] or 'started'
 
-
 local row = redis.call('HMGET', job, 'state', 'deliveries', 'claim')
 if row[1] ~= 'active' then
   return 1
 end
--- The live claim: its id, or its delivery count if a version that keeps no claim id made it.
-local live = (row[3] and string.match(row[3], '^%d+') == row[2]) and row[3] or row[2]
+local live = live_claim(row[2], row[3])
 if live ~= token then
   redis.call('HINCRBY', fenced, 'count', 1)
   redis.call('HINCRBY', fenced, 'reason:start', 1)

@@ -82,6 +82,9 @@
   Budget: stalled <= max_stalled recovers (to the front of its queue or lane),
   stalled > max_stalled dooms. A batch keeps its order at the front.
 ]]
+--@include etas
+--@include clock
+--@include live
 local active, pending, wake, head, dead = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local lanes, base, registry = KEYS[6], KEYS[7], KEYS[8]
 local limit = tonumber(ARGV[2])
@@ -89,12 +92,7 @@ local default_budget, reason = tonumber(ARGV[3]), ARGV[4]
 local lease_ms, max_lapsed = tonumber(ARGV[5]), tonumber(ARGV[6])
 local dead_max_age_ms, dead_max_size = tonumber(ARGV[7]), tonumber(ARGV[8])
 local since = ARGV[9]
-local now_ms = tonumber(ARGV[1])
-if not now_ms then
-  local t = redis.call('TIME')
-  now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-
+local now_ms = clock(ARGV[1])
 
 local BAND = 1099511627776
 -- A counter ends this long after its last change (30 days): a queue gone for good leaves none.
@@ -147,25 +145,6 @@ local function front(i, priority)
 end
 -- Lanes a sweep looks at for a claimable job when the wake list is empty.
 local LANES_LOOKED = 8
--- The revoke index holds, per Celery task id, the space-separated ids of its delayed jobs:
--- one leaving the delayed set leaves the index; the others stay revocable.
-local function unindex_eta(etas, task, id)
-  local ids = redis.call('HGET', etas, task)
-  if not ids then
-    return
-  end
-  local kept = {}
-  for other in string.gmatch(ids, '%S+') do
-    if other ~= id then
-      kept[#kept + 1] = other
-    end
-  end
-  if #kept == 0 then
-    redis.call('HDEL', etas, task)
-  else
-    redis.call('HSET', etas, task, table.concat(kept, ' '))
-  end
-end
 local out = {}
 local delayed = base .. 'delayed'
 if not charge and redis.call('EXISTS', delayed) == 1 then
@@ -233,8 +212,7 @@ for i, id in ipairs(ids) do
   local job = base .. 'job:' .. id
   local row = redis.call('HMGET', job, 'state', 'owner', 'priority', 'max_stalled', 'payload',
     'history', 'group', 'deliveries', 'started', 'completed', 'graced', 'claim')
-  -- The live claim: its id, or its delivery count if a version that keeps no claim id made it.
-  local token = (row[12] and string.match(row[12], '^%d+') == row[8]) and row[12] or row[8]
+  local token = live_claim(row[8], row[12])
   -- The message is read only for what the caller reports (recovered, doomed); rows
   -- written before messages had a key of their own hold it as `payload`.
   local function message()
