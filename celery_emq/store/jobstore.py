@@ -28,6 +28,7 @@ from celery_emq.store.outcomes import (
     Scan,
     Swept,
     SweptJobs,
+    SweptOutcome,
     Unset,
     Verdict,
 )
@@ -375,7 +376,7 @@ class JobStore(Reads, Registry):
         finds them again, so a caller that dies on the way leaves none in the
         morgue or counted: its task may have succeeded.
         """
-        doomed = [s for s in swept if s.outcome == "doomed"]
+        doomed = [s for s in swept if s.outcome == SweptOutcome.DOOMED]
         if not doomed:
             return swept
         k = self.keys(queue)
@@ -390,13 +391,18 @@ class JobStore(Reads, Registry):
                 out.append(s)
                 continue
             reason, published = rows[s.id]
-            dies = replace(s, outcome="never_started" if reason == b"never_started" else "dead")
+            dies = replace(
+                s,
+                outcome=SweptOutcome.NEVER_STARTED
+                if reason == b"never_started"
+                else SweptOutcome.DEAD,
+            )
             succeeded = verdict is not None and verdict(dies, int(published) if published else None)
             outcome = self.scripts.retire(k, s.id, succeeded, now_ms)
             if outcome is Outcome.OK:
                 out.append(dies)
             elif outcome is Outcome.COMPLETED:
-                out.append(replace(s, outcome="completed"))
+                out.append(replace(s, outcome=SweptOutcome.COMPLETED))
         return out
 
     def reap(self, queue: str, limit: int = 500, now_ms: int | None = None) -> list[str]:

@@ -20,6 +20,7 @@ __all__ = [
     "Outcome",
     "Scan",
     "Swept",
+    "SweptOutcome",
     "Unset",
     "Verdict",
     "live_token",
@@ -50,17 +51,39 @@ class Unset(enum.Enum):
 UNSET = Unset.UNSET
 
 
+class SweptOutcome(str, enum.Enum):
+    """What a sweep did with one job (equal to the word ``sweep.lua`` answers)."""
+
+    #: a due delayed job made claimable
+    PROMOTED = "promoted"
+    #: back at the front of its queue, a stall counted
+    RECOVERED = "recovered"
+    #: lapsed before it started: back in line, uncounted
+    REQUEUED = "requeued"
+    #: an older claim completed it, or its task succeeded: deleted
+    COMPLETED = "completed"
+    #: lapsed in an outage: one more lease, uncounted
+    GRACED = "graced"
+    #: deleted by the morgue's retention
+    TRIMMED = "trimmed"
+    #: from the script alone: past its budget, to be retired (see ``JobStore.sweep``)
+    DOOMED = "doomed"
+    #: retired to the morgue, past its budget of stalls...
+    DEAD = "dead"
+    #: ...or of lapses before a start
+    NEVER_STARTED = "never_started"
+    #: not a job: the x-expires registry holds queues (``stalled`` says how many)
+    EXPIRING = "expiring"
+    #: not a job: the server's clock at the pass (in ``stalled``)
+    CLOCK = "clock"
+
+
 @dataclass(frozen=True)
 class Swept:
     """One job a sweep examined: what it did and the job's stall count."""
 
     id: str
-    #: "recovered" | "dead" | "never_started" (past its budget of lapses before a
-    #: start) | "requeued" (lapsed before it started: uncounted) | "completed" (an
-    #: older claim completed it, or its task succeeded: deleted) | "graced" (lapsed
-    #: in an outage: one more lease, uncounted); from the script alone, "doomed"
-    #: (past its budget: to be retired, see ``JobStore.sweep``)
-    outcome: str
+    outcome: SweptOutcome
     stalled: int
     payload: bytes
 

@@ -43,6 +43,7 @@ from celery_emq.store.outcomes import (
     Outcome,
     Swept,
     SweptJobs,
+    SweptOutcome,
     Unset,
     live_token,
     new_nonce,
@@ -400,11 +401,19 @@ class Scripts(Loaded):
         )
         if len(reply) % 4:
             raise ScriptContractError(f"sweep.lua answered {len(reply)} items")
-        out = SweptJobs(
-            Swept(text(reply[i]), text(reply[i + 1]), int(reply[i + 2]), reply[i + 3] or b"")
-            for i in range(0, len(reply), 4)
-        )
-        if out and out[-1].outcome == "clock":
+        try:
+            out = SweptJobs(
+                Swept(
+                    text(reply[i]),
+                    SweptOutcome(text(reply[i + 1])),
+                    int(reply[i + 2]),
+                    reply[i + 3] or b"",
+                )
+                for i in range(0, len(reply), 4)
+            )
+        except ValueError as exc:
+            raise ScriptContractError(f"sweep.lua answered {exc}") from exc
+        if out and out[-1].outcome == SweptOutcome.CLOCK:
             out.now_ms = out.pop().stalled
         return out
 

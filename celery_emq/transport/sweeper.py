@@ -21,7 +21,7 @@ from typing import Any
 
 from celery_emq.options import EmqOptions
 from celery_emq.store.jobstore import JobStore
-from celery_emq.store.outcomes import Outcome, Swept
+from celery_emq.store.outcomes import Outcome, Swept, SweptOutcome
 from celery_emq.transport import lease
 from celery_emq.transport.follow_up import FollowUp
 from celery_emq.transport.follow_up import follow_up as registered_follow_up
@@ -150,7 +150,7 @@ class Sweeper:
                 raise
             if contact is not None and swept.now_ms is not None:
                 contact.met(prefix, queue, swept.now_ms)
-            if swept and swept[-1].outcome == "expiring":
+            if swept and swept[-1].outcome == SweptOutcome.EXPIRING:
                 self.expiring = True
                 swept.pop()
             elif self.store.one_server:
@@ -158,7 +158,9 @@ class Sweeper:
             self._after(queue, swept, report, "lease_expired")
             # Jobs past their budget reach the morgue after the script applied its
             # retention (see JobStore.sweep): one more call applies it to them too.
-            died = any(job.outcome in ("dead", NEVER_STARTED) for job in swept)
+            died = any(
+                job.outcome in (SweptOutcome.DEAD, SweptOutcome.NEVER_STARTED) for job in swept
+            )
             if len(swept) < self.options.sweep_batch and not died:
                 break
         if report.graced:
@@ -296,21 +298,21 @@ class Sweeper:
 
     def _after(self, queue: str, swept: list[Swept], report: SweepReport, reason: str) -> None:
         for job in swept:
-            if job.outcome == "promoted":
+            if job.outcome == SweptOutcome.PROMOTED:
                 continue
-            if job.outcome == "trimmed":
+            if job.outcome == SweptOutcome.TRIMMED:
                 report.trimmed += 1
                 continue
-            if job.outcome == "requeued":
+            if job.outcome == SweptOutcome.REQUEUED:
                 report.requeued.append(job.id)
                 continue
-            if job.outcome == "completed":
+            if job.outcome == SweptOutcome.COMPLETED:
                 report.completed.append(job.id)
                 continue
-            if job.outcome == "graced":
+            if job.outcome == SweptOutcome.GRACED:
                 report.graced.append(job.id)
                 continue
-            if job.outcome == NEVER_STARTED:
+            if job.outcome == SweptOutcome.NEVER_STARTED:
                 # Its body is never decoded here: it may be what kills a worker.
                 info = describe(job.payload, queue, job.id, job.stalled, NEVER_STARTED)
                 report.dead.append(job.id)
@@ -327,7 +329,7 @@ class Sweeper:
                 continue
             info = describe(job.payload, queue, job.id, job.stalled, reason, accept=self.accept)
             self._tell(self.follow_up.stalled, info)
-            if job.outcome == "dead":
+            if job.outcome == SweptOutcome.DEAD:
                 report.dead.append(job.id)
                 logger.error(
                     "celery_emq: %s[%s] dead-lettered from %s after %d stalls (%s)",
@@ -362,7 +364,7 @@ class Sweeper:
         is signalled. Only a success since the job was published
         (``published_ms``) is its own: a task id may be given again.
         """
-        if job.outcome == NEVER_STARTED:
+        if job.outcome == SweptOutcome.NEVER_STARTED:
             # Its body is never decoded here: it may be what kills a worker.
             info = describe(job.payload, queue, job.id, job.stalled, NEVER_STARTED)
         else:
