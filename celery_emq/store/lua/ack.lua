@@ -19,6 +19,7 @@
               dead-lettered), the job is deleted as completed instead of run again.
               Counted in <p>:{q}:metrics:fenced (fields count, reason:ack).
 ]]
+--@include unqueue
 --@include live
 local active, pending, wake, dead, completed = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local base = KEYS[6]
@@ -48,18 +49,7 @@ for i = 1, #ARGV, 2 do
       redis.call('ZREM', dead, id)
       code = 4
     else
-      local lane = pending
-      if row[3] then
-        lane = base .. 'g:' .. row[3] .. ':pending'
-      end
-      if redis.call('ZREM', lane, id) == 1 then
-        -- One fewer claimable job: one fewer wake marker.
-        redis.call('RPOP', wake)
-      end
-      if row[3] and redis.call('EXISTS', lane) == 0 then
-        -- The group has no lane left: claims and wake-ups no longer look at it.
-        redis.call('ZREM', base .. 'lanes', row[3])
-      end
+      unqueue(base, pending, wake, id, row[3])
       code = 2
     end
     redis.call('DEL', job, base .. 'msg:' .. id)

@@ -20,6 +20,7 @@
   <p>:{q}:metrics:fenced, reason:bury), 7 COMPLETED (an older
   claim completed the job: deleted and counted completed, never dead-lettered).
 ]]
+--@include unqueue
 --@include clock
 --@include live
 local active, pending, wake, dead, job = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
@@ -49,16 +50,7 @@ if row[1] == 'active' then
     return 7
   end
 else
-  local lane = pending
-  if row[3] then
-    lane = base .. 'g:' .. row[3] .. ':pending'
-  end
-  if redis.call('ZREM', lane, id) == 1 then
-    redis.call('RPOP', wake)
-  end
-  if row[3] and redis.call('EXISTS', lane) == 0 then
-    redis.call('ZREM', base .. 'lanes', row[3])
-  end
+  unqueue(base, pending, wake, id, row[3])
 end
 redis.call('HSET', job, 'state', 'dead', 'owner', '', 'last_error', reason,
   'reason', reason, 'error', err, 'died_ms', now_ms)

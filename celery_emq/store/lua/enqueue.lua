@@ -25,6 +25,7 @@
   The row holds only what is not implied elsewhere: the queue is in the key, a stall
   count and a claim count appear on first use, a zero priority is not written.
 ]]
+--@include band
 --@include clock
 local pending, wake, seq, job, lanes = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local expires, base, msg, delayed, etas = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
@@ -33,9 +34,6 @@ local priority, ttl_ms = tonumber(ARGV[3]), tonumber(ARGV[5])
 local now_ms = clock(ARGV[4])
 local max_stalled, group = ARGV[6], ARGV[7]
 local eta_ms, task_id = tonumber(ARGV[8]), ARGV[9]
-
--- Priority bands are 2^40 wide: FIFO within a band by the tail sequence.
-local BAND = 1099511627776
 
 if redis.call('EXISTS', job) == 1 then
   return 3

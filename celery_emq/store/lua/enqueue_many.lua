@@ -24,14 +24,13 @@
   delayed job due before every delayed job there was pushes the one `soon` marker,
   as in enqueue.lua.
 ]]
+--@include band
 --@include clock
 local pending, wake, seq, lanes = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local expires, base, delayed, etas = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local ttl_ms = tonumber(ARGV[2])
 local now_ms = clock(ARGV[1])
 
--- Priority bands are 2^40 wide: FIFO within a band by the tail sequence.
-local BAND = 1099511627776
 -- Wake markers pushed per LPUSH (bounds the arguments unpacked at once).
 local MARKERS = 1000
 -- Jobs per MSET of messages and per ZADD of a lane (2 arguments a job).

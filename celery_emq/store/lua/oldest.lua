@@ -17,11 +17,11 @@
   Active: a deadline says nothing of when the job was claimed (renewals move it), so every
   row of the page is read.
 ]]
+--@include band
 local pending, active, lanes, base = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local lane_offset, lane_limit = tonumber(ARGV[1]), tonumber(ARGV[2])
 local active_offset, active_limit = tonumber(ARGV[3]), tonumber(ARGV[4])
 
-local BAND = 1099511627776
 local FRONT = 100
 -- Priorities are 0..9: more bands than that cannot be in use.
 local MAX_BANDS = 16

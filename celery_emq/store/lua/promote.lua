@@ -18,11 +18,11 @@
   many ms (on the server's clock) the earliest job still delayed is due (-1: none; 0:
   due, past the limit). A promoted job joins the tail of its queue or lane, in ETA order.
 ]]
+--@include band
 --@include etas
+--@include promote
 --@include clock
 local limit, now_arg = tonumber(ARGV[2]), ARGV[1]
-
-local BAND = 1099511627776
 
 local now_ms
 local function promote(g)
@@ -52,21 +52,7 @@ local function promote(g)
   end
   local n = 0
   for _, id in ipairs(ids) do
-    if redis.call('ZREM', delayed, id) == 1 then
-      local job = base .. 'job:' .. id
-      local row = redis.call('HMGET', job, 'priority', 'group', 'task')
-      if row[3] then
-        unindex_eta(etas, row[3], id)
-      end
-      local lane = pending
-      if row[2] and row[2] ~= '' then
-        lane = base .. 'g:' .. row[2] .. ':pending'
-        redis.call('ZADD', lanes, 0, row[2])
-      end
-      redis.call('ZADD', lane, tonumber(row[1] or '0') * BAND + redis.call('INCR', seq), id)
-      redis.call('HSET', job, 'state', 'pending')
-      redis.call('HDEL', job, 'task')
-      redis.call('LPUSH', wake, 1)
+    if promote_one(base, delayed, etas, pending, lanes, seq, wake, id) then
       n = n + 1
     end
   end

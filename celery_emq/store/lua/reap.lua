@@ -14,13 +14,13 @@
   fenced) is deleted and counted completed instead, and not returned. A batch keeps its order (earliest lapse first)
   at the front of the queue.
 ]]
+--@include band
 --@include clock
 --@include live
 local active, pending, wake, head, lanes, base = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local limit = tonumber(ARGV[2])
 local now_ms = clock(ARGV[1])
 
-local BAND = 1099511627776
 -- A counter ends this long after its last change (30 days): a queue gone for good leaves none.
 local COUNTER_TTL_MS = 2592000000
 

@@ -17,12 +17,12 @@
   6 STARTED (unless_started, and the claim's task has started; untouched),
   7 COMPLETED (an older claim completed the job: deleted and counted completed).
 ]]
+--@include band
 --@include live
 local active, pending, wake, head, job = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local lanes, base = KEYS[6], KEYS[7]
 local id, token, unless_started = ARGV[1], ARGV[2], ARGV[3] == '1'
 
-local BAND = 1099511627776
 -- A counter ends this long after its last change (30 days): a queue gone for good leaves none.
 local COUNTER_TTL_MS = 2592000000
 

@@ -16,12 +16,12 @@
   order given (the first at the very front), and the ids that were not dead (with
   `whole`, retried is then empty).
 ]]
+--@include band
 --@include clock
 local dead, pending, wake, head, lanes, base = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local now_ms, whole = clock(ARGV[1]), ARGV[2] == '1'
 local FIRST = 3
 
-local BAND = 1099511627776
 -- A counter ends this long after its last change (30 days): a queue gone for good leaves none.
 local COUNTER_TTL_MS = 2592000000
 

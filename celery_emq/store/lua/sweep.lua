@@ -82,7 +82,9 @@
   Budget: stalled <= max_stalled recovers (to the front of its queue or lane),
   stalled > max_stalled dooms. A batch keeps its order at the front.
 ]]
+--@include band
 --@include etas
+--@include promote
 --@include clock
 --@include live
 local active, pending, wake, head, dead = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
@@ -94,7 +96,6 @@ local dead_max_age_ms, dead_max_size = tonumber(ARGV[7]), tonumber(ARGV[8])
 local since = ARGV[9]
 local now_ms = clock(ARGV[1])
 
-local BAND = 1099511627776
 -- A counter ends this long after its last change (30 days): a queue gone for good leaves none.
 local COUNTER_TTL_MS = 2592000000
 local HISTORY = 20
@@ -151,21 +152,7 @@ if not charge and redis.call('EXISTS', delayed) == 1 then
   local etas, tail = base .. 'etas', base .. 'seq'
   local due = redis.call('ZRANGE', delayed, '-inf', now_ms, 'BYSCORE', 'LIMIT', 0, limit)
   for _, id in ipairs(due) do
-    redis.call('ZREM', delayed, id)
-    local job = base .. 'job:' .. id
-    local row = redis.call('HMGET', job, 'priority', 'group', 'task')
-    if row[3] then
-      unindex_eta(etas, row[3], id)
-    end
-    local lane = pending
-    if row[2] and row[2] ~= '' then
-      lane = base .. 'g:' .. row[2] .. ':pending'
-      redis.call('ZADD', lanes, 0, row[2])
-    end
-    redis.call('ZADD', lane, tonumber(row[1] or '0') * BAND + redis.call('INCR', tail), id)
-    redis.call('HSET', job, 'state', 'pending')
-    redis.call('HDEL', job, 'task')
-    redis.call('LPUSH', wake, 1)
+    promote_one(base, delayed, etas, pending, lanes, tail, wake, id)
     out[#out + 1] = id
     out[#out + 1] = 'promoted'
     out[#out + 1] = 0
