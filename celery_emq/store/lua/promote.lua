@@ -20,6 +20,7 @@
 ]]
 --@include band
 --@include etas
+--@include lane
 --@include promote
 --@include clock
 local limit, now_arg = tonumber(ARGV[2]), ARGV[1]

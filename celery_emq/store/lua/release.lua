@@ -17,6 +17,7 @@
   6 STARTED (unless_started, and the claim's task has started; untouched),
   7 COMPLETED (an older claim completed the job: deleted and counted completed).
 ]]
+--@include lane
 --@include band
 --@include live
 local active, pending, wake, head, job = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
@@ -50,12 +51,7 @@ if row[5] then
 end
 local n = redis.call('INCR', head)
 redis.call('ZREM', active, id)
-local lane = pending
-if row[3] and row[3] ~= '' then
-  lane = base .. 'g:' .. row[3] .. ':pending'
-  redis.call('ZADD', lanes, 0, row[3])
-end
-redis.call('ZADD', lane, tonumber(row[2] or '0') * BAND - n, id)
+redis.call('ZADD', lane_of(base, pending, lanes, row[3]), tonumber(row[2] or '0') * BAND - n, id)
 redis.call('HSET', job, 'state', 'pending', 'owner', '')
 redis.call('LPUSH', wake, 1)
 return 0

@@ -16,6 +16,7 @@
   order given (the first at the very front), and the ids that were not dead (with
   `whole`, retried is then empty).
 ]]
+--@include lane
 --@include band
 --@include clock
 local dead, pending, wake, head, lanes, base = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
@@ -49,11 +50,7 @@ for i = FIRST, #ARGV do
   local row = redis.call('HMGET', job, 'state', 'priority', 'group')
   if row[1] == 'dead' and redis.call('ZREM', dead, id) == 1 then
     local n = top - i + FIRST
-    local lane = pending
-    if row[3] and row[3] ~= '' then
-      lane = base .. 'g:' .. row[3] .. ':pending'
-      redis.call('ZADD', lanes, 0, row[3])
-    end
+    local lane = lane_of(base, pending, lanes, row[3])
     redis.call('ZADD', lane, tonumber(row[2] or '0') * BAND - n, id)
     redis.call('HSET', job, 'state', 'pending', 'stalled', 0, 'owner', '', 'retried_ms', now_ms,
       'enqueued_ms', now_ms)

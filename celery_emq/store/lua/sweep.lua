@@ -84,6 +84,7 @@
 ]]
 --@include band
 --@include etas
+--@include lane
 --@include promote
 --@include clock
 --@include live
