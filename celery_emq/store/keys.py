@@ -58,9 +58,9 @@ key                             type    content                           ends
                                         publish, claim and declare);
                                         once gone, the sweep purges the
                                         queue's pending jobs
-``<p>:{q}:swept``               HASH    when sweeps ran (``at``) and the  PX 1 day (sweeps renew)
-                                        last outage seen (``from``,
-                                        ``to``)
+``<p>:{q}:swept``               HASH    when sweeps ran (``at``) and the  PX 1 day, renewed by each
+                                        last outage seen (``from``,       sweep, and by a look that
+                                        ``to``)                           finds nothing to sweep
 ``<p>:{q}:metrics:<name>``      HASH    counters (field ``count``):       PX 30 days, renewed by a
                                         ``completed``, ``recovered``,     count; deleted when an
                                         ``stalled``, ``failed``,          ``x-expires`` queue
