@@ -441,10 +441,8 @@ def test_no_failure_is_sent_to_an_rpc_reply_queue(monkeypatch: pytest.MonkeyPatc
     assert stored == []
 
 
-def test_a_pass_over_an_idle_queue_is_one_script_call_and_promotes_due_jobs(
-    store: JobStore, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # An idle worker sweeps every few seconds: one call per queue, nothing beside it.
+def script_calls(store: JobStore, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the scripts ``store`` runs from now on, in order (a call once)."""
     calls: list[str] = []
     run = type(store.scripts).run
 
@@ -453,6 +451,14 @@ def test_a_pass_over_an_idle_queue_is_one_script_call_and_promotes_due_jobs(
         return run(self, name, keys, args)
 
     monkeypatch.setattr(type(store.scripts), "run", counted)
+    return calls
+
+
+def test_a_pass_over_an_idle_queue_is_one_script_call_and_promotes_due_jobs(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An idle worker sweeps every few seconds: one call per queue, nothing beside it.
+    calls = script_calls(store, monkeypatch)
     sweeper = Sweeper(store, EmqOptions())
     sweeper.sweep("celery")
     assert calls == ["sweep"]
@@ -571,14 +577,7 @@ def test_a_pass_over_twenty_idle_queues_is_one_call_and_a_lapsed_one_is_still_sw
     # An idle worker's cost does not grow with its queues: one look, and a sweep
     # only where there is work; the look counts as the process's contact.
     monkeypatch.setattr(lease, "_keeper", ManualKeeper("me"))
-    calls: list[str] = []
-    run = type(store.scripts).run
-
-    def counted(self: Any, name: str, keys: Any, args: Any) -> Any:
-        calls.append(name)
-        return run(self, name, keys, args)
-
-    monkeypatch.setattr(type(store.scripts), "run", counted)
+    calls = script_calls(store, monkeypatch)
     thread = SweepThread()
     sweeper = Sweeper(store, EmqOptions(sweep_interval_s=3600, lease_ms=5000))
     queues = [f"q{i}" for i in range(20)]
