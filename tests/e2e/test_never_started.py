@@ -107,10 +107,11 @@ def test_a_message_that_kills_a_prefork_worker_before_it_starts_reaches_the_morg
     # The long task, running at the first kill (no suspect held then), was
     # charged that stall and ran again. After that, a worker takes the doomed
     # message, a suspect since, beside whatever it runs: a task running when it
-    # kills the worker runs again (at least once), charged nothing (the metrics
-    # below). The innocents published with it ran, at most once more each.
+    # kills the worker runs again (once for each kill it was running at), charged
+    # nothing (the metrics below). The innocents published with it ran, at most once
+    # more each.
     counted = runs(client, prefix)
-    assert counted.pop("long") in (2, 3)
+    assert 2 <= counted.pop("long") <= 1 + exits.count(KILLED)
     assert set(counted) == {"b0", "b1", "a0", "a1", "a2"}
     assert all(n in (1, 2) for n in counted.values()), counted
     with pytest.raises(StalledJobError, match=r"before it started \(never_started\)"):

@@ -33,17 +33,20 @@ def test_sigkilled_worker_task_restarts_on_a_survivor(
     start_worker: Callable[..., Worker], client: redis.Redis, prefix: str, redis_url: str
 ) -> None:
     lease_ms = 5000
+    # A sweep at most every third of the lease: a longer gap between passes reads as
+    # an outage, and a dead worker's job then waits one more lease.
+    sweep = {"EMQ_E2E_LEASE_MS": str(lease_ms), "EMQ_E2E_SWEEP_S": "1.5"}
     capp = suite_app(redis_url, prefix, lease_ms)
-    doomed = start_worker("-c", "1", name="doomed", EMQ_E2E_LEASE_MS=str(lease_ms))
+    doomed = start_worker("-c", "1", name="doomed", **sweep)
     result = capp.send_task("tests.e2e.app.sleepy", args=(3, "victim"))
     wait_for(lambda: runs(client, prefix).get("victim") == 1, 15)
-    start_worker("-c", "1", name="survivor", EMQ_E2E_LEASE_MS=str(lease_ms))
+    start_worker("-c", "1", name="survivor", **sweep)
     killed_at = time.time()
     doomed.kill()
     wait_for(lambda: runs(client, prefix).get("victim") == 2, 30)
     restarted_at = float(client.lrange(prefix + "started:victim", -1, -1)[0])
     recovery_s = restarted_at - killed_at
-    print(f"\nrecovery after SIGKILL: {recovery_s:.2f} s (lease {lease_ms} ms, sweep 5 s)")
+    print(f"\nrecovery after SIGKILL: {recovery_s:.2f} s (lease {lease_ms} ms, sweep 1.5 s)")
     assert recovery_s < 15
     assert result.get(timeout=15) == "victim"
     store = JobStore(client, prefix + "emq", lease_ms)
